@@ -1,0 +1,43 @@
+"""dagdiff: autodiff on a Dask task graph - each layer call is a forward task plus a VJP task."""
+from __future__ import annotations
+
+from .api import grad, value_and_grad
+from .errors import (
+    DagdiffError,
+    KeyFormatError,
+    LayerShapeError,
+    LayerTypeError,
+    MicrobatchError,
+    PlacementError,
+    TracerError,
+)
+from .keys import KeyInfo, key_info
+from .layer import Layer, layer
+from .metrics import remat_count, reset_remat_count
+from .placement import stage
+from .serialize import register as _register_serializers
+from .tracer import Traced
+
+_register_serializers()
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "layer",
+    "Layer",
+    "value_and_grad",
+    "grad",
+    "stage",
+    "key_info",
+    "KeyInfo",
+    "Traced",
+    "remat_count",
+    "reset_remat_count",
+    "DagdiffError",
+    "LayerShapeError",
+    "LayerTypeError",
+    "TracerError",
+    "KeyFormatError",
+    "PlacementError",
+    "MicrobatchError",
+]

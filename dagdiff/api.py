@@ -1,0 +1,170 @@
+"""`dd.value_and_grad` / `dd.grad`: trace a loss function and return Dask collections."""
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from dask.delayed import Delayed
+from dask.highlevelgraph import HighLevelGraph
+
+from .backward import build_backward
+from .errors import TracerError
+from .lower import Lowered, lower, select, trace_token
+from .tracer import Trace, Traced, fmt_aval, is_array
+
+__all__ = ["value_and_grad", "grad", "trace_call", "to_delayed"]
+
+
+def _argnums(argnums: int | Sequence[int], n: int, fname: str) -> tuple[int, ...]:
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    for a in nums:
+        if not isinstance(a, int) or not -n <= a < n:
+            raise ValueError(f"{fname}: argnums={argnums!r} but it was called with {n} "
+                             "positional arguments")
+    return tuple(a % n for a in nums)
+
+
+def trace_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+               argnums: tuple[int, ...], name: str) -> tuple[Trace, Any, list[Any]]:
+    """Run `fn` once under a new trace; array leaves of args become traced inputs.
+
+    Returns the trace, fn's output, and the traced differentiated arguments.
+    """
+    trace = Trace(name)
+    targs = []
+    names = _argnames(fn, len(args))
+    with trace:
+        for i, a in enumerate(args):
+            leaves, td = jax.tree_util.tree_flatten_with_path(a)
+            new = [trace.add_input(x, _path(names[i], p), i in argnums) if is_array(x) else x
+                   for p, x in leaves]
+            targs.append(jax.tree_util.tree_unflatten(td, new))
+        tkw = {k: jax.tree_util.tree_map(
+            lambda x: trace.add_input(x, f"kw_{k}", False) if is_array(x) else x, v)
+            for k, v in kwargs.items()}
+        out = fn(*targs, **tkw)
+    return trace, out, [targs[i] for i in argnums]
+
+
+def _path(argname: str, path: Any) -> str:
+    parts = [argname]
+    for k in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+    return "_".join(parts)
+
+
+def _argnames(fn: Callable[..., Any], n: int) -> list[str]:
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return [names[i] if i < len(names) else f"arg{i}" for i in range(n)]
+
+
+def _check_loss(loss: Any, trace: Trace, fname: str) -> Traced:
+    if not isinstance(loss, Traced) or loss.trace is not trace:
+        raise TracerError(
+            f"{fname} must return a traced scalar (the output of a dd.layer call), got "
+            f"{type(loss).__name__}. Compute the loss inside a dd.layer."
+        )
+    if loss.shape != () or not jax.dtypes.issubdtype(loss.dtype, np.floating):
+        raise TypeError(
+            f"{fname} must return a real scalar loss, got {fmt_aval(loss.aval)}; reduce it "
+            "(e.g. jnp.mean) inside the loss layer."
+        )
+    return loss
+
+
+def to_delayed(dsk: dict[str, Any], token: str, keys: Any,
+               annotations: dict[str, Any] | None = None) -> Any:
+    """Wrap keys of one graph (any pytree of keys) as Delayed objects sharing the graph."""
+    name = f"dagdiff-{token}"
+    hlg = HighLevelGraph.from_collections(name, dsk, dependencies=())
+    return jax.tree_util.tree_map(
+        lambda k: Delayed(k, hlg, layer=name) if isinstance(k, str) else k, keys,
+        is_leaf=lambda x: x is None)
+
+
+def _maybe_colocate() -> None:
+    if "distributed" not in sys.modules:
+        return
+    from distributed import default_client
+
+    try:
+        client = default_client()
+    except ValueError:
+        return
+    from .colocate import ensure_colocation
+
+    ensure_colocation(client)
+
+
+def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
+                   has_aux: bool = False) -> Callable[..., Any]:
+    """Like `jax.value_and_grad`, but returns Dask collections and runs nothing.
+
+    ``loss, grads = dd.value_and_grad(loss_fn)(params, x, t)`` traces `loss_fn` once
+    (every `dd.layer` call becomes a forward task and a VJP task) and returns `loss`
+    as a `dask.delayed.Delayed` and `grads` as a pytree shaped like the differentiated
+    argument(s) with Delayed leaves (None for non-array leaves). Compute them with
+    `dask.compute`, `Client.compute` or `persist`.
+    """
+    fname = getattr(fn, "__name__", "fn")
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        nums = _argnums(argnums, len(args), fname)
+        trace, out, targs = trace_call(fn, args, kwargs, nums, fname)
+        if has_aux:
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise TypeError(f"{fname} with has_aux=True must return (loss, aux)")
+            loss, aux = out
+        else:
+            loss, aux = out, None
+        loss = _check_loss(loss, trace, fname)
+        plan = build_backward(trace, loss)
+        token = trace_token(trace, (nums, has_aux))
+        low = lower(trace, plan, token)
+        keys = _result_keys(low, trace, loss, aux, targs, token)
+        _maybe_colocate()
+        from .placement import annotate_stages
+
+        dsk = annotate_stages(low)
+        lk, ak, gk = to_delayed(dsk, token, keys)
+        grads = gk[0] if isinstance(argnums, int) else tuple(gk)
+        return ((lk, ak) if has_aux else lk), grads
+
+    wrapped.__doc__ = (fn.__doc__ or "") + "\n\n(dagdiff value_and_grad: returns Delayed)"
+    return wrapped
+
+
+def _result_keys(low: Lowered, trace: Trace, loss: Traced, aux: Any, targs: list[Any],
+                 token: str) -> tuple[Any, Any, list[Any]]:
+    lk = select(low, trace, loss, "loss", token)
+    ak = jax.tree_util.tree_map(
+        lambda v: select(low, trace, v, "aux", token) if isinstance(v, Traced) else v, aux)
+    gk = [jax.tree_util.tree_map(
+        lambda v: low.grad_keys.get(v.node) if isinstance(v, Traced) else None, a,
+        is_leaf=lambda x: x is None) for a in targs]
+    return lk, ak, gk
+
+
+def grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
+         has_aux: bool = False) -> Callable[..., Any]:
+    """Like `jax.grad`: the gradient pytree (Delayed leaves), or (grads, aux)."""
+    vg = value_and_grad(fn, argnums=argnums, has_aux=has_aux)
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        out, grads = vg(*args, **kwargs)
+        return (grads, out[1]) if has_aux else grads
+
+    return wrapped

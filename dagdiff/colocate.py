@@ -1,0 +1,69 @@
+"""A scheduler plugin that runs each VJP task on the worker holding its forward's pullback.
+
+Pullbacks are unpicklable, so a VJP task placed elsewhere has to rematerialize. When a
+forward task's result lands in memory, the plugin restricts that forward's VJP tasks
+to its worker; when the result is lost (worker gone), the restriction is lifted so
+nothing waits forever on a dead worker.
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any
+
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+__all__ = ["ColocateVJP", "ensure_colocation"]
+
+log = logging.getLogger(__name__)
+_BWD = ("vjp_", "igrad_", "wgrad_")
+_registered: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+class ColocateVJP(SchedulerPlugin):
+    """Pin ``vjp_/igrad_/wgrad_`` tasks to the worker where their ``fwd_`` task ran."""
+
+    name = "dagdiff-colocate-vjp"
+
+    def __init__(self) -> None:
+        self.scheduler: Any = None
+
+    async def start(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+
+    def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+        if not isinstance(key, str) or not key.startswith("fwd_"):
+            return
+        if finish != "memory" and start != "memory":
+            return
+        ts = self.scheduler.tasks.get(key) if self.scheduler is not None else None
+        if ts is None:
+            return
+        suffix = key[3:]
+        pin = None
+        if finish == "memory" and ts.who_has:
+            pin = {next(iter(ts.who_has)).address}
+        for dts in ts.dependents:
+            k = dts.key
+            if isinstance(k, str) and k.startswith(_BWD) and k[k.index("_"):] == suffix:
+                if pin is not None:
+                    dts.worker_restrictions = pin
+                    dts.loose_restrictions = False
+                elif dts.worker_restrictions:
+                    dts.worker_restrictions = None
+
+
+def ensure_colocation(client: Any) -> bool:
+    """Register `ColocateVJP` on `client`'s scheduler once; False if that is impossible."""
+    if client in _registered:
+        return True
+    try:
+        if getattr(client, "asynchronous", False):
+            return False
+        client.register_plugin(ColocateVJP(), name=ColocateVJP.name)
+    except Exception as e:  # e.g. dagdiff not installed where the scheduler runs
+        log.warning("dagdiff: could not register the VJP colocation plugin (%s); VJP tasks "
+                    "may rematerialize pullbacks (see dd.remat_count)", e)
+        return False
+    _registered.add(client)
+    return True

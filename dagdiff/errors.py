@@ -1,0 +1,40 @@
+"""Error types raised by dagdiff: built-in subclasses that state the facts and a fix."""
+from __future__ import annotations
+
+__all__ = [
+    "DagdiffError",
+    "LayerShapeError",
+    "LayerTypeError",
+    "TracerError",
+    "KeyFormatError",
+    "PlacementError",
+    "MicrobatchError",
+]
+
+
+class DagdiffError(Exception):
+    """Base class of every dagdiff error."""
+
+
+class LayerShapeError(DagdiffError, ValueError):
+    """A layer rejected the shapes it was traced with (raised at trace time)."""
+
+
+class LayerTypeError(DagdiffError, TypeError):
+    """A layer rejected the dtypes or argument types it was traced with."""
+
+
+class TracerError(DagdiffError, TypeError):
+    """A traced value was used in a way that needs its data, or outside its trace."""
+
+
+class KeyFormatError(DagdiffError, ValueError):
+    """A string is not a dagdiff task key."""
+
+
+class PlacementError(DagdiffError, ValueError):
+    """A stage, worker or device assignment cannot be satisfied."""
+
+
+class MicrobatchError(DagdiffError, ValueError):
+    """A batch argument cannot be split into the requested microbatches."""

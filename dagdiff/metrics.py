@@ -1,0 +1,53 @@
+"""Counters users and tests read: pullbacks rematerialized, layer signatures compiled."""
+from __future__ import annotations
+
+from typing import Any
+
+from . import tasks
+
+__all__ = ["remat_count", "reset_remat_count", "compile_counts"]
+
+
+def _client(client: Any) -> Any:
+    if client is not None:
+        return client
+    import sys
+
+    if "distributed" not in sys.modules:
+        return None
+    from distributed import default_client
+
+    try:
+        return default_client()
+    except ValueError:
+        return None
+
+
+def remat_count(client: Any = None) -> int:
+    """Pullbacks rebuilt because they left the process of their forward task.
+
+    Sums this process and, with a distributed client (given or default), every worker.
+    Ordinary runs keep it at 0; `remat=True` layers recompute on purpose and do not count.
+    """
+    total = tasks.remat_count()
+    c = _client(client)
+    if c is not None:
+        total += sum(c.run(tasks.remat_count).values())
+    return total
+
+
+def reset_remat_count(client: Any = None) -> None:
+    """Set the remat counters of this process (and of the client's workers) to 0."""
+    tasks.reset_remat_count()
+    c = _client(client)
+    if c is not None:
+        c.run(tasks.reset_remat_count)
+
+
+def compile_counts(client: Any = None) -> dict[str, int]:
+    """Layer signatures compiled per process ('local' and each worker address)."""
+    out = {"local": tasks.compile_count()}
+    c = _client(client)
+    if c is not None:
+        out.update(c.run(tasks.compile_count))
+    return out

@@ -1,0 +1,88 @@
+"""Teach Dask about JAX arrays: true `sizeof`, wire serialization, content tokens.
+
+Without this, `dask.sizeof` reports a 4 MB jax array as ~700 bytes (wrong spilling,
+transfer costs and dashboard bars) and tokenizing falls back to slow pickling.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from dask.sizeof import sizeof
+
+from .tasks import FwdResult
+
+__all__ = ["register", "jax_array_type"]
+
+jax_array_type: type = type(jnp.zeros(()))
+_done = False
+_lock = threading.Lock()
+_tokens: dict[int, tuple[Any, str]] = {}
+
+
+def _sizeof_jax(x: Any) -> int:
+    return int(x.nbytes)
+
+
+def _sizeof_fwd(r: FwdResult) -> int:
+    return r.nbytes() + 64
+
+
+def _normalize_jax(x: Any) -> tuple[Any, ...]:
+    """Content token of a jax array, cached per object (jax arrays are immutable)."""
+    from dask.tokenize import normalize_token
+
+    ident = id(x)
+    hit = _tokens.get(ident)
+    if hit is not None and hit[0]() is x:
+        return ("jax.Array", hit[1])
+    tok = normalize_token(np.asarray(x))
+    text = repr(tok)
+    try:
+        ref = weakref.ref(x, lambda _r, i=ident: _tokens.pop(i, None))
+        _tokens[ident] = (ref, text)
+    except TypeError:
+        pass
+    return ("jax.Array", text)
+
+
+def _serialize_jax(x: Any) -> tuple[dict[str, Any], list[Any]]:
+    from distributed.protocol.numpy import serialize_numpy_ndarray
+
+    header, frames = serialize_numpy_ndarray(np.asarray(x))
+    header["weak_type"] = bool(getattr(x, "weak_type", False))
+    return header, frames
+
+
+def _deserialize_jax(header: dict[str, Any], frames: list[Any]) -> Any:
+    from distributed.protocol.numpy import deserialize_numpy_ndarray
+
+    arr = deserialize_numpy_ndarray(header, frames)
+    return jnp.asarray(arr)  # onto this process's default device (its GPU on a GPU worker)
+
+
+def register() -> None:
+    """Register sizeof, tokenize and (if distributed is installed) serializers. Idempotent."""
+    global _done
+    with _lock:
+        if _done:
+            return
+        _done = True
+    sizeof.register(jax_array_type)(_sizeof_jax)
+    sizeof.register(FwdResult)(_sizeof_fwd)
+    from dask.tokenize import normalize_token
+
+    normalize_token.register(jax_array_type)(_normalize_jax)
+    try:
+        from distributed.protocol import dask_deserialize, dask_serialize
+    except ImportError:  # pragma: no cover - distributed is a dependency
+        return
+    dask_serialize.register(jax_array_type)(_serialize_jax)
+    dask_deserialize.register(jax_array_type)(_deserialize_jax)
+
+
+_ = jax  # jax must be importable for jax_array_type

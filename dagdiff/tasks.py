@@ -1,0 +1,236 @@
+"""What runs inside the tasks: forward (value + pullback), VJP, sums; worker-side jit caches.
+
+Pullbacks from `jax.vjp` cannot be pickled. A `FwdResult` that leaves its process
+travels as its outputs alone; the VJP task then rebuilds the pullback from the primal
+inputs it also depends on (rematerialization) and counts the event (`remat_count`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "CallSpec",
+    "make_call_spec",
+    "FwdResult",
+    "fwd_task",
+    "vjp_task",
+    "sum_task",
+    "select_task",
+    "remat_count",
+    "reset_remat_count",
+    "compile_count",
+]
+
+
+@dataclass(frozen=True, eq=False)
+class CallSpec:
+    """Everything a worker needs to run one layer signature: function, argument layout,
+    which dynamic leaves are differentiated, output avals, and a stable fingerprint."""
+
+    layer: Any
+    name: str
+    fingerprint: str
+    in_treedef: Any
+    kinds: tuple[str, ...]          # per argument leaf: "d" dynamic array, "s" static
+    statics: tuple[Any, ...]        # static leaf values (None where dynamic)
+    diff: tuple[bool, ...]          # per dynamic leaf: differentiated?
+    out_avals: tuple[jax.ShapeDtypeStruct, ...] = ()
+    remat: bool = False
+
+    def call(self, dyn: Sequence[Any]) -> Any:
+        """Run the layer function on dynamic leaves `dyn` (statics filled in)."""
+        it = iter(dyn)
+        leaves = [next(it) if k == "d" else s for k, s in zip(self.kinds, self.statics)]
+        args, kwargs = jax.tree_util.tree_unflatten(self.in_treedef, leaves)
+        return self.layer.fn(*args, **kwargs)
+
+    def with_outputs(self, out_avals: tuple[jax.ShapeDtypeStruct, ...]) -> "CallSpec":
+        return dataclasses.replace(self, out_avals=out_avals)
+
+    @property
+    def n_diff(self) -> int:
+        return sum(self.diff)
+
+
+def make_call_spec(layer: Any, treedef: Any, kinds: tuple[str, ...], statics: tuple[Any, ...],
+                   diff: tuple[bool, ...]) -> CallSpec:
+    """Build a `CallSpec`, fingerprinting function, layout and statics once."""
+    from dask.base import tokenize
+
+    fp = tokenize(layer.fingerprint, str(treedef), kinds, statics, diff,
+                  ensure_deterministic=False)
+    return CallSpec(layer, layer.name, f"{layer.name}-{fp}", treedef, kinds, statics, diff,
+                    remat=layer.remat)
+
+
+class _Compiled:
+    """The jitted functions of one CallSpec (forward, forward+vjp, backward, remat backward)."""
+
+    def __init__(self, spec: CallSpec) -> None:
+        diff = spec.diff
+        out_avals = spec.out_avals
+
+        def merge(d: Sequence[Any], nd: Sequence[Any]) -> list[Any]:
+            di, ni = iter(d), iter(nd)
+            return [next(di) if f else next(ni) for f in diff]
+
+        def primal(d: Sequence[Any], nd: Sequence[Any]) -> list[Any]:
+            return jax.tree_util.tree_leaves(spec.call(merge(d, nd)))
+
+        def fwd_vjp(d: Sequence[Any], nd: Sequence[Any]) -> Any:
+            return jax.vjp(lambda *dd: primal(dd, nd), *d)
+
+        def full_ct(cts: Sequence[Any]) -> list[Any]:
+            out = []
+            for c, a in zip(cts, out_avals):
+                if c is not None:
+                    out.append(c.astype(a.dtype) if c.dtype != a.dtype else c)
+                elif jax.dtypes.issubdtype(a.dtype, np.inexact):
+                    out.append(jnp.zeros(a.shape, a.dtype))
+                else:
+                    out.append(np.zeros(a.shape, jax.dtypes.float0))
+            return out
+
+        def bwd(pb: Any, cts: Sequence[Any], wrt: tuple[int, ...]) -> tuple[Any, ...]:
+            g = pb(full_ct(cts))
+            return tuple(g[i] for i in wrt)
+
+        def remat_bwd(d: Sequence[Any], nd: Sequence[Any], cts: Sequence[Any],
+                      wrt: tuple[int, ...]) -> tuple[Any, ...]:
+            _, pb = fwd_vjp(d, nd)
+            return bwd(pb, cts, wrt)
+
+        self.forward = jax.jit(primal)
+        self.fwd_vjp = jax.jit(fwd_vjp)
+        self.bwd = jax.jit(bwd, static_argnums=2)
+        self.remat_bwd = jax.jit(remat_bwd, static_argnums=3)
+
+
+_CACHE: dict[str, _Compiled] = {}
+_LOCK = threading.Lock()
+_COUNTS = {"remat": 0, "compile": 0}
+
+
+def _compiled(spec: CallSpec) -> _Compiled:
+    c = _CACHE.get(spec.fingerprint)
+    if c is None:
+        with _LOCK:
+            c = _CACHE.get(spec.fingerprint)
+            if c is None:
+                c = _CACHE[spec.fingerprint] = _Compiled(spec)
+                _COUNTS["compile"] += 1
+    return c
+
+
+def remat_count() -> int:
+    """Pullbacks rebuilt in this process because they had left the process of their forward."""
+    return _COUNTS["remat"]
+
+
+def reset_remat_count() -> None:
+    _COUNTS["remat"] = 0
+
+
+def compile_count() -> int:
+    """Layer signatures compiled in this process (one per worker and signature, not per task)."""
+    return _COUNTS["compile"]
+
+
+class FwdResult:
+    """Value of a forward task: output leaves and the pullback (None when rematerialized).
+
+    Pickling keeps the outputs only: a consumer on another worker needs just those,
+    and a VJP task that receives a copy rebuilds the pullback from its primals.
+    """
+
+    __slots__ = ("out", "pullback", "moved")
+
+    def __init__(self, out: list[Any], pullback: Any, moved: bool = False) -> None:
+        self.out = out
+        self.pullback = pullback
+        self.moved = moved
+
+    def __reduce__(self) -> Any:
+        return (_arrived, (self.out,))
+
+    def nbytes(self) -> int:
+        leaves = jax.tree_util.tree_leaves((self.out, self.pullback))
+        return int(sum(getattr(x, "nbytes", 0) for x in leaves))
+
+    def __repr__(self) -> str:
+        state = "moved" if self.moved else ("pullback" if self.pullback is not None else "primal")
+        return f"FwdResult({len(self.out)} outputs, {state})"
+
+
+def _arrived(out: list[Any]) -> FwdResult:
+    return FwdResult(out, None, moved=True)
+
+
+def _take(value: Any, src: int) -> Any:
+    """A dependency's value: leaf `src` of a FwdResult/tuple, or the value itself (src < 0)."""
+    if src < 0:
+        return value
+    if isinstance(value, FwdResult):
+        return value.out[src]
+    return value[src]
+
+
+def _split(spec: CallSpec, srcs: tuple[int, ...], vals: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+    d, nd = [], []
+    for f, s, v in zip(spec.diff, srcs, vals):
+        (d if f else nd).append(_take(v, s))
+    return d, nd
+
+
+def fwd_task(spec: CallSpec, srcs: tuple[int, ...], *vals: Any) -> FwdResult:
+    """Forward of one layer call: outputs plus the pullback (kept in this process)."""
+    c = _compiled(spec)
+    d, nd = _split(spec, srcs, vals)
+    if spec.remat or not d:
+        return FwdResult(c.forward(d, nd), None)
+    out, pb = c.fwd_vjp(d, nd)
+    return FwdResult(out, pb)
+
+
+def vjp_task(spec: CallSpec, srcs: tuple[int, ...], wrt: tuple[int, ...],
+             ct_srcs: tuple[int | None, ...], fwd: FwdResult, *vals: Any) -> tuple[Any, ...]:
+    """VJP of one layer call w.r.t. differentiated leaves `wrt` (indices among them).
+
+    `vals` holds the output cotangents (one per non-None entry of `ct_srcs`) followed
+    by the primal inputs, which are only read to rebuild a pullback that moved.
+    """
+    n_ct = sum(s is not None for s in ct_srcs)
+    it = iter(vals[:n_ct])
+    cts = [None if s is None else _take(next(it), s) for s in ct_srcs]
+    c = _compiled(spec)
+    if fwd.pullback is not None:
+        return c.bwd(fwd.pullback, cts, wrt)
+    if not spec.remat:
+        with _LOCK:
+            _COUNTS["remat"] += 1
+    d, nd = _split(spec, srcs, vals[n_ct:])
+    return c.remat_bwd(d, nd, cts, wrt)
+
+
+def sum_task(srcs: tuple[int, ...], zeros: Any, *vals: Any) -> Any:
+    """Sum cotangent contributions (each a leaf of a VJP result); `zeros` when there are none."""
+    parts = [_take(v, s) for v, s in zip(vals, srcs)]
+    if not parts:
+        shape, dtype = zeros
+        return jnp.zeros(shape, dtype)
+    total = parts[0]
+    for p in parts[1:]:
+        total = total + p
+    return total
+
+
+def select_task(src: int, value: Any) -> Any:
+    """One leaf of a forward result (the loss, an aux output)."""
+    return _take(value, src)

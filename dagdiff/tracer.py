@@ -1,0 +1,361 @@
+"""Tracing: run a Python function once, recording every `dd.layer` call as a frozen `Node`.
+
+Traced values carry shape and dtype (from `jax.eval_shape`), never data, so the
+graph is known before anything runs and shape errors surface at trace time.
+"""
+from __future__ import annotations
+
+import operator
+import threading
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from .errors import LayerShapeError, LayerTypeError, TracerError
+from .layer import Layer
+from .placement import current_stage
+from .tasks import CallSpec, make_call_spec
+
+__all__ = ["Traced", "Node", "Trace", "call_layer", "is_array", "fmt_aval", "current_trace"]
+
+_ACTIVE: ContextVar["Trace | None"] = ContextVar("dagdiff_trace", default=None)
+
+
+def is_array(x: Any) -> bool:
+    """True for concrete array leaves (NumPy arrays and scalars, JAX arrays)."""
+    return isinstance(x, (np.ndarray, np.generic, jax.Array))
+
+
+def fmt_aval(aval: Any) -> str:
+    """Short 'f32[512,1024]' text for a shape/dtype record or array."""
+    dt = np.dtype(aval.dtype)
+    code = {"f": "f", "i": "i", "u": "u", "b": "bool", "c": "c"}.get(dt.kind, dt.kind)
+    name = "bool" if code == "bool" else f"{code}{dt.itemsize * 8}"
+    return f"{name}[{','.join(map(str, aval.shape))}]"
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, Traced) or is_array(x):
+        return fmt_aval(x)
+    return repr(x)
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class Traced:
+    """A value produced while tracing: a leaf of an input or of a layer call's output.
+
+    It has `.shape`, `.dtype`, `.ndim` and `.size`, supports arithmetic operators and
+    indexing (each recorded as a small layer), and refuses anything that needs data.
+    """
+
+    trace: "Trace"
+    node: int
+    leaf: int
+    aval: jax.ShapeDtypeStruct
+    requires_grad: bool
+
+    shape = property(lambda self: self.aval.shape)
+    dtype = property(lambda self: self.aval.dtype)
+    ndim = property(lambda self: len(self.aval.shape))
+    size = property(lambda self: int(np.prod(self.aval.shape, dtype=np.int64)))
+
+    @property
+    def T(self) -> Any:
+        return _TRANSPOSE(self)
+
+    def __repr__(self) -> str:
+        node = self.trace.nodes[self.node]
+        return f"Traced({fmt_aval(self.aval)}, from {node.kind} {node.name!r} #{self.node})"
+
+    def _needs_data(self, what: str) -> TracerError:
+        node = self.trace.nodes[self.node]
+        return TracerError(
+            f"{what} needs the data of traced value {fmt_aval(self.aval)} (output of "
+            f"{node.kind} {node.name!r}), which does not exist while tracing. Put the code "
+            "that uses it inside a function wrapped in dd.layer; control flow may only "
+            "depend on static values (shapes, config)."
+        )
+
+    def __bool__(self) -> bool:
+        raise self._needs_data("bool() (an if/while on a traced value)")
+
+    def __array__(self, *a: Any, **k: Any) -> Any:
+        raise self._needs_data("np.asarray()")
+
+    def __jax_array__(self) -> Any:
+        raise self._needs_data("A jax.numpy function called outside any dd.layer")
+
+    def __iter__(self) -> Any:
+        raise self._needs_data("Iterating")
+
+    def __len__(self) -> int:
+        if not self.aval.shape:
+            raise TypeError("len() of a 0-d traced value")
+        return int(self.aval.shape[0])
+
+    def __float__(self) -> float:
+        raise self._needs_data("float()")
+
+    def __int__(self) -> int:
+        raise self._needs_data("int()")
+
+    def __index__(self) -> int:
+        raise self._needs_data("Using a traced value as an index")
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def __getitem__(self, index: Any) -> Any:
+        return _GETITEM(self, _Index.encode(index))
+
+    def __add__(self, o: Any) -> Any: return _BINOPS["add"](self, o)
+    def __radd__(self, o: Any) -> Any: return _BINOPS["add"](o, self)
+    def __sub__(self, o: Any) -> Any: return _BINOPS["sub"](self, o)
+    def __rsub__(self, o: Any) -> Any: return _BINOPS["sub"](o, self)
+    def __mul__(self, o: Any) -> Any: return _BINOPS["mul"](self, o)
+    def __rmul__(self, o: Any) -> Any: return _BINOPS["mul"](o, self)
+    def __truediv__(self, o: Any) -> Any: return _BINOPS["truediv"](self, o)
+    def __rtruediv__(self, o: Any) -> Any: return _BINOPS["truediv"](o, self)
+    def __matmul__(self, o: Any) -> Any: return _BINOPS["matmul"](self, o)
+    def __rmatmul__(self, o: Any) -> Any: return _BINOPS["matmul"](o, self)
+    def __pow__(self, o: Any) -> Any: return _BINOPS["pow"](self, o)
+    def __neg__(self) -> Any: return _NEG(self)
+    def __pos__(self) -> Any: return self
+
+
+@dataclass(frozen=True, eq=False)
+class Node:
+    """One recorded value source: a differentiated input ('param'), another input
+    ('input'), or a layer call ('call') with its inputs, spec and output avals."""
+
+    index: int
+    kind: str
+    name: str
+    stage: int | None
+    out_treedef: Any
+    out_avals: tuple[jax.ShapeDtypeStruct, ...]
+    requires_grad: bool
+    value: Any = None
+    spec: CallSpec | None = None
+    in_leaves: tuple[Any, ...] = ()
+    path: str = ""
+
+    @property
+    def layer(self) -> Layer | None:
+        return self.spec.layer if self.spec is not None else None
+
+    @property
+    def traced_inputs(self) -> list[tuple[int, Traced]]:
+        """(dynamic position, Traced) for each traced input leaf, in order."""
+        out, pos = [], 0
+        for leaf, kind in zip(self.in_leaves, self.spec.kinds if self.spec else ()):
+            if kind == "d":
+                if isinstance(leaf, Traced):
+                    out.append((pos, leaf))
+                pos += 1
+        return out
+
+
+class Trace:
+    """The record of one traced call: the nodes in execution order."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.nodes: list[Node] = []
+        self.closed = False
+
+    def __enter__(self) -> "Trace":
+        self._token = _ACTIVE.set(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _ACTIVE.reset(self._token)
+        self.closed = True
+
+    def add_input(self, value: Any, path: str, differentiable: bool) -> Traced:
+        """Record an input leaf; differentiated ones become 'param' nodes."""
+        aval = jax.ShapeDtypeStruct(np.shape(value), np.result_type(value))
+        grad = differentiable and jax.dtypes.issubdtype(aval.dtype, np.inexact)
+        node = Node(
+            index=len(self.nodes), kind="param" if grad else "input", name=path, stage=None,
+            out_treedef=jax.tree_util.tree_structure(0), out_avals=(aval,),
+            requires_grad=grad, value=value, path=path,
+        )
+        self.nodes.append(node)
+        return Traced(self, node.index, 0, aval, grad)
+
+    def add_call(self, layer: Layer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Record one layer call, checking shapes with `jax.eval_shape`; returns traced outputs."""
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+        for leaf in leaves:
+            if isinstance(leaf, Traced) and leaf.trace is not self:
+                raise TracerError(
+                    f"layer {layer.name!r} got a traced value from another trace "
+                    f"({leaf.trace.name!r}); traced values cannot leave the function that "
+                    "dd.value_and_grad traced. Return it instead, or trace once."
+                )
+        stage = layer.stage if layer.stage is not None else current_stage()
+        spec, out_treedef, out_avals = _infer(layer, treedef, leaves, stage)
+        grad = any(isinstance(x, Traced) and x.requires_grad for x in leaves)
+        node = Node(
+            index=len(self.nodes), kind="call", name=layer.name, stage=stage,
+            out_treedef=out_treedef, out_avals=out_avals, requires_grad=grad,
+            spec=spec, in_leaves=tuple(leaves),
+        )
+        self.nodes.append(node)
+        outs = [Traced(self, node.index, i, a, grad and _inexact(a)) for i, a in enumerate(out_avals)]
+        return jax.tree_util.tree_unflatten(out_treedef, outs)
+
+
+def current_trace() -> Trace | None:
+    """The trace being recorded in this context, if any."""
+    return _ACTIVE.get()
+
+
+def call_layer(layer: Layer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Record a layer call if any argument is traced; otherwise just run the function."""
+    leaves = jax.tree_util.tree_leaves((args, kwargs))
+    trace = next((x.trace for x in leaves if isinstance(x, Traced)), None)
+    if trace is None:
+        return layer.fn(*args, **kwargs)
+    if trace.closed:
+        raise TracerError(
+            f"layer {layer.name!r} was called on a traced value after its trace "
+            f"({trace.name!r}) ended; traced values only exist while dd.value_and_grad traces."
+        )
+    return trace.add_call(layer, args, kwargs)
+
+
+def _inexact(aval: Any) -> bool:
+    return bool(jax.dtypes.issubdtype(aval.dtype, np.inexact))
+
+
+# (layer, treedef, leaf signature) -> (spec, out_treedef, out_avals); shapes checked once.
+_INFER_CACHE: dict[Any, tuple[CallSpec, Any, tuple[jax.ShapeDtypeStruct, ...]]] = {}
+_INFER_LOCK = threading.Lock()
+
+
+def _infer(layer: Layer, treedef: Any, leaves: Sequence[Any], stage: int | None) -> tuple[
+    CallSpec, Any, tuple[jax.ShapeDtypeStruct, ...]
+]:
+    sig = []
+    for x in leaves:
+        if isinstance(x, Traced):
+            sig.append(("t", x.aval.shape, x.aval.dtype, x.requires_grad))
+        elif is_array(x):
+            sig.append(("c", np.shape(x), np.result_type(x), False))
+        else:
+            sig.append(("s", type(x), x))
+    key = (id(layer), layer.fn, treedef, tuple(sig))
+    try:
+        hit = _INFER_CACHE.get(key)
+    except TypeError:  # an unhashable static argument
+        bad = next(x for x in leaves if not isinstance(x, Traced) and not is_array(x)
+                   and not _hashable(x))
+        raise LayerTypeError(
+            f"layer {layer.name!r} got an unhashable non-array argument {bad!r} "
+            f"({type(bad).__name__}); non-array arguments are static and must be hashable. "
+            "Pass arrays for data, or a tuple instead of a list/dict."
+        ) from None
+    if hit is not None:
+        return hit
+    kinds = tuple("d" if isinstance(x, Traced) or is_array(x) else "s" for x in leaves)
+    statics = tuple(None if k == "d" else x for k, x in zip(kinds, leaves))
+    diff = tuple(isinstance(x, Traced) and x.requires_grad for x, k in zip(leaves, kinds) if k == "d")
+    spec = make_call_spec(layer, treedef, kinds, statics, diff)
+    avals = [jax.ShapeDtypeStruct(x.aval.shape, x.aval.dtype) if isinstance(x, Traced)
+             else jax.ShapeDtypeStruct(np.shape(x), np.result_type(x)) for x, k in zip(leaves, kinds)
+             if k == "d"]
+    try:
+        out = jax.eval_shape(lambda *dyn: spec.call(list(dyn)), *avals)
+    except Exception as e:  # re-raised with the layer, stage and shapes
+        args, kwargs = jax.tree_util.tree_unflatten(treedef, [_describe(x) for x in leaves])
+        shown = ", ".join([*map(str, args), *(f"{k}={v}" for k, v in kwargs.items())])
+        where = f" on stage {stage}" if stage is not None else ""
+        cls = LayerTypeError if isinstance(e, TypeError) and "shape" not in str(e).lower() \
+            else LayerShapeError
+        raise cls(
+            f"layer {layer.name!r}{where} failed at trace time on arguments ({shown}): "
+            f"{type(e).__name__}: {e}"
+        ) from e
+    out_leaves, out_treedef = jax.tree_util.tree_flatten(out)
+    out_avals = tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in out_leaves)
+    spec = spec.with_outputs(out_avals)
+    with _INFER_LOCK:
+        if len(_INFER_CACHE) > 4096:
+            _INFER_CACHE.clear()
+        _INFER_CACHE[key] = (spec, out_treedef, out_avals)
+    return spec, out_treedef, out_avals
+
+
+def _hashable(x: Any) -> bool:
+    try:
+        hash(x)
+        return True
+    except TypeError:
+        return False
+
+
+class _Index:
+    """A hashable, static form of an indexing expression (slices are unhashable before 3.12)."""
+
+    __slots__ = ("enc",)
+
+    def __init__(self, enc: Any) -> None:
+        self.enc = enc
+
+    @staticmethod
+    def encode(index: Any) -> "_Index":
+        def enc(i: Any) -> Any:
+            if isinstance(i, slice):
+                return ("slice", i.start, i.stop, i.step)
+            if isinstance(i, tuple):
+                return ("tuple", *map(enc, i))
+            if i is None or i is Ellipsis or isinstance(i, (int, np.integer)):
+                return ("v", i if not isinstance(i, np.integer) else int(i))
+            raise TracerError(
+                f"indexing a traced value supports ints, slices, None and Ellipsis, got {i!r}; "
+                "do fancy indexing inside a dd.layer"
+            )
+        return _Index(enc(index))
+
+    def decode(self) -> Any:
+        def dec(e: Any) -> Any:
+            if e[0] == "slice":
+                return slice(*e[1:])
+            if e[0] == "tuple":
+                return tuple(dec(x) for x in e[1:])
+            return e[1]
+        return dec(self.enc)
+
+    def __hash__(self) -> int:
+        return hash(self.enc)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Index) and other.enc == self.enc
+
+    def __repr__(self) -> str:
+        return f"[{self.decode()!r}]"
+
+    def __reduce__(self) -> Any:
+        return (_Index, (self.enc,))
+
+
+def _getitem(x: Any, index: _Index) -> Any:
+    return x[index.decode()]
+
+
+def _transpose(x: Any) -> Any:
+    return x.T
+
+
+_TRANSPOSE = Layer(_transpose, name="transpose")
+_GETITEM = Layer(_getitem, name="getitem")
+_NEG = Layer(operator.neg, name="neg")
+_BINOPS = {
+    name: Layer(getattr(operator, name), name=name)
+    for name in ("add", "sub", "mul", "truediv", "matmul", "pow")
+}
