@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from .api import grad, value_and_grad
+from .cluster import local_cluster
 from .errors import (
     DagdiffError,
     KeyFormatError,
@@ -28,6 +29,7 @@ __all__ = [
     "value_and_grad",
     "grad",
     "stage",
+    "local_cluster",
     "key_info",
     "KeyInfo",
     "Traced",

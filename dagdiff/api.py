@@ -83,14 +83,26 @@ def _check_loss(loss: Any, trace: Trace, fname: str) -> Traced:
     return loss
 
 
-def to_delayed(dsk: dict[str, Any], token: str, keys: Any,
-               annotations: dict[str, Any] | None = None) -> Any:
-    """Wrap keys of one graph (any pytree of keys) as Delayed objects sharing the graph."""
-    name = f"dagdiff-{token}"
-    hlg = HighLevelGraph.from_collections(name, dsk, dependencies=())
-    return jax.tree_util.tree_map(
-        lambda k: Delayed(k, hlg, layer=name) if isinstance(k, str) else k, keys,
-        is_leaf=lambda x: x is None)
+class OutKey(str):
+    """A task key that `to_delayed` should turn into a Delayed (other leaves pass through)."""
+
+
+def to_delayed(graph: Any, token: str, keys: Any) -> Any:
+    """Wrap the `OutKey` leaves of a pytree as Delayed objects sharing one graph
+    (a task dict, or a ready HighLevelGraph)."""
+    if isinstance(graph, HighLevelGraph):
+        hlg = graph
+    else:
+        hlg = HighLevelGraph.from_collections(f"dagdiff-{token}", graph, dependencies=())
+    layers = list(hlg.layers)
+
+    def wrap(k: Any) -> Any:
+        if not isinstance(k, OutKey):
+            return k
+        name = next((n for n in layers if k in hlg.layers[n]), layers[0])
+        return Delayed(str(k), hlg, layer=name)
+
+    return jax.tree_util.tree_map(wrap, keys, is_leaf=lambda x: x is None)
 
 
 def _maybe_colocate() -> None:
@@ -137,8 +149,7 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
         _maybe_colocate()
         from .placement import annotate_stages
 
-        dsk = annotate_stages(low)
-        lk, ak, gk = to_delayed(dsk, token, keys)
+        lk, ak, gk = to_delayed(annotate_stages(low, token), token, keys)
         grads = gk[0] if isinstance(argnums, int) else tuple(gk)
         return ((lk, ak) if has_aux else lk), grads
 
@@ -148,12 +159,17 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
 
 def _result_keys(low: Lowered, trace: Trace, loss: Traced, aux: Any, targs: list[Any],
                  token: str) -> tuple[Any, Any, list[Any]]:
-    lk = select(low, trace, loss, "loss", token)
+    lk = OutKey(select(low, trace, loss, "loss", token))
     ak = jax.tree_util.tree_map(
-        lambda v: select(low, trace, v, "aux", token) if isinstance(v, Traced) else v, aux)
-    gk = [jax.tree_util.tree_map(
-        lambda v: low.grad_keys.get(v.node) if isinstance(v, Traced) else None, a,
-        is_leaf=lambda x: x is None) for a in targs]
+        lambda v: OutKey(select(low, trace, v, "aux", token)) if isinstance(v, Traced) else v,
+        aux)
+
+    def grad_key(v: Any) -> Any:
+        if isinstance(v, Traced) and v.node in low.grad_keys:
+            return OutKey(low.grad_keys[v.node])
+        return None
+
+    gk = [jax.tree_util.tree_map(grad_key, a, is_leaf=lambda x: x is None) for a in targs]
     return lk, ak, gk
 
 

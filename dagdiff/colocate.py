@@ -53,6 +53,10 @@ class ColocateVJP(SchedulerPlugin):
                     dts.worker_restrictions = None
 
 
+def _has_plugin(dask_scheduler: Any = None) -> bool:
+    return ColocateVJP.name in dask_scheduler.plugins
+
+
 def ensure_colocation(client: Any) -> bool:
     """Register `ColocateVJP` on `client`'s scheduler once; False if that is impossible."""
     if client in _registered:
@@ -60,7 +64,8 @@ def ensure_colocation(client: Any) -> bool:
     try:
         if getattr(client, "asynchronous", False):
             return False
-        client.register_plugin(ColocateVJP(), name=ColocateVJP.name)
+        if not client.run_on_scheduler(_has_plugin):
+            client.register_plugin(ColocateVJP(), name=ColocateVJP.name)
     except Exception as e:  # e.g. dagdiff not installed where the scheduler runs
         log.warning("dagdiff: could not register the VJP colocation plugin (%s); VJP tasks "
                     "may rematerialize pullbacks (see dd.remat_count)", e)

@@ -36,6 +36,6 @@ def current_stage() -> int | None:
     return _STAGE.get()
 
 
-def annotate_stages(low: "object") -> dict:
+def annotate_stages(low: "object", token: str) -> dict:
     """The task dict of a lowered graph (stage annotations are added by the placement layer)."""
     return low.dsk  # type: ignore[attr-defined]

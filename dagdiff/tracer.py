@@ -37,6 +37,12 @@ def fmt_aval(aval: Any) -> str:
     return f"{name}[{','.join(map(str, aval.shape))}]"
 
 
+def aval_of(x: Any) -> jax.ShapeDtypeStruct:
+    """Shape and dtype of a concrete array leaf."""
+    dtype = x.dtype if hasattr(x, "dtype") else np.result_type(x)
+    return jax.ShapeDtypeStruct(np.shape(x), dtype)
+
+
 def _describe(x: Any) -> str:
     if isinstance(x, Traced) or is_array(x):
         return fmt_aval(x)
@@ -177,7 +183,7 @@ class Trace:
 
     def add_input(self, value: Any, path: str, differentiable: bool) -> Traced:
         """Record an input leaf; differentiated ones become 'param' nodes."""
-        aval = jax.ShapeDtypeStruct(np.shape(value), np.result_type(value))
+        aval = aval_of(value)
         grad = differentiable and jax.dtypes.issubdtype(aval.dtype, np.inexact)
         node = Node(
             index=len(self.nodes), kind="param" if grad else "input", name=path, stage=None,
@@ -246,7 +252,8 @@ def _infer(layer: Layer, treedef: Any, leaves: Sequence[Any], stage: int | None)
         if isinstance(x, Traced):
             sig.append(("t", x.aval.shape, x.aval.dtype, x.requires_grad))
         elif is_array(x):
-            sig.append(("c", np.shape(x), np.result_type(x), False))
+            a = aval_of(x)
+            sig.append(("c", a.shape, a.dtype, False))
         else:
             sig.append(("s", type(x), x))
     key = (id(layer), layer.fn, treedef, tuple(sig))
@@ -267,7 +274,7 @@ def _infer(layer: Layer, treedef: Any, leaves: Sequence[Any], stage: int | None)
     diff = tuple(isinstance(x, Traced) and x.requires_grad for x, k in zip(leaves, kinds) if k == "d")
     spec = make_call_spec(layer, treedef, kinds, statics, diff)
     avals = [jax.ShapeDtypeStruct(x.aval.shape, x.aval.dtype) if isinstance(x, Traced)
-             else jax.ShapeDtypeStruct(np.shape(x), np.result_type(x)) for x, k in zip(leaves, kinds)
+             else aval_of(x) for x, k in zip(leaves, kinds)
              if k == "d"]
     try:
         out = jax.eval_shape(lambda *dyn: spec.call(list(dyn)), *avals)

@@ -1,0 +1,117 @@
+"""Test models written once with dd.layer; each test compares dagdiff with jax.value_and_grad."""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import dagdiff as dd
+
+
+def init_dense(key: Any, sizes: list[int]) -> list[dict[str, Any]]:
+    keys = jax.random.split(key, len(sizes))
+    return [{"w": jax.random.normal(k, (a, b)) / jnp.sqrt(a), "b": 0.1 * jnp.ones(b)}
+            for k, a, b in zip(keys, sizes[:-1], sizes[1:])]
+
+
+@dd.layer
+def dense(p: Any, x: Any) -> Any:
+    return jnp.tanh(x @ p["w"] + p["b"])
+
+
+@dd.layer
+def linear(p: Any, x: Any) -> Any:
+    return x @ p["w"] + p["b"]
+
+
+@dd.layer(name="mse")
+def mse(y: Any, t: Any) -> Any:
+    return jnp.mean((y - t) ** 2)
+
+
+@dd.layer
+def concat(*xs: Any) -> Any:
+    return jnp.concatenate(xs, axis=-1)
+
+
+@dd.layer
+def split_gate(p: Any, x: Any) -> tuple[Any, Any]:
+    """Multi-input, multi-output: returns (gated, gate)."""
+    g = jax.nn.sigmoid(x @ p["wg"])
+    return x * g, g
+
+
+@dd.layer
+def softmax_xent(logits: Any, labels: Any) -> Any:
+    logp = jax.nn.log_softmax(logits)
+    return -jnp.mean(jnp.take_along_axis(logp, labels[:, None], axis=1))
+
+
+@dd.layer
+def normalize(z: Any) -> Any:
+    return z / jnp.linalg.norm(z, axis=-1, keepdims=True)
+
+
+@dd.layer
+def clip_loss(a: Any, b: Any, temperature: float) -> Any:
+    logits = a @ b.T / temperature
+    labels = jnp.arange(a.shape[0])
+    la = -jnp.mean(jax.nn.log_softmax(logits, axis=1)[labels, labels])
+    lb = -jnp.mean(jax.nn.log_softmax(logits, axis=0)[labels, labels])
+    return (la + lb) / 2
+
+
+def mlp_loss(params: Any, x: Any, t: Any) -> Any:
+    h = x
+    for p in params:
+        h = dense(p, h)
+    return mse(h, t)
+
+
+def residual_loss(params: Any, x: Any, t: Any) -> Any:
+    h = dense(params[0], x)
+    h = dense(params[1], h) + h           # skip connection via a traced '+'
+    h = 0.5 * dense(params[2], h) - h     # scalar ops on traced values
+    return mse(linear(params[3], h), t)
+
+
+def branch_loss(params: Any, x: Any, t: Any) -> Any:
+    h = dense(params["stem"], x)
+    branches = [dense(p, h) for p in params["branches"]]   # three parallel branches
+    return mse(linear(params["head"], concat(*branches)), t)
+
+
+def shared_loss(params: Any, x: Any, t: Any) -> Any:
+    h = dense(params["shared"], x)
+    h = dense(params["shared"], h)          # the same weights twice
+    h = dense(params["other"], h)
+    return mse(dense(params["shared"], h), t)
+
+
+def gate_loss(params: Any, x: Any, t: Any) -> Any:
+    h = dense(params["in"], x)
+    gated, gate = split_gate(params["gate"], h)
+    return mse(linear(params["out"], gated) + gate, t)
+
+
+def classifier_loss(params: Any, x: Any, labels: Any) -> Any:
+    h = dense(params[0], x)
+    return softmax_xent(linear(params[1], h), labels)
+
+
+def contrastive_loss(params: Any, text: Any, image: Any) -> Any:
+    a = normalize(linear(params["txt_proj"], dense(params["txt"], text)))
+    h = image
+    for p in params["img"]:
+        h = dense(p, h)
+    b = normalize(linear(params["img_proj"], h))
+    return clip_loss(a, b, 0.1)
+
+
+def config_loss(params: Any, x: Any, t: Any, cfg: Any) -> Any:
+    h = x
+    for i in range(cfg["depth"]):             # loop count from config
+        p = params[i % len(params)]
+        h = dense(p, h) + h if cfg["residual"] else dense(p, h)
+    return mse(h, t)
