@@ -12,7 +12,7 @@ from dask.delayed import Delayed
 from dask.highlevelgraph import HighLevelGraph
 
 from .backward import build_backward
-from .errors import TracerError
+from .errors import DagdiffError, TracerError
 from .lower import Lowered, lower, select, trace_token
 from .tracer import Trace, Traced, fmt_aval, is_array
 
@@ -46,7 +46,18 @@ def trace_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
         tkw = {k: jax.tree_util.tree_map(
             lambda x: trace.add_input(x, f"kw_{k}", False) if is_array(x) else x, v)
             for k, v in kwargs.items()}
-        out = fn(*targs, **tkw)
+        try:
+            out = fn(*targs, **tkw)
+        except (TypeError, ValueError) as e:
+            text = str(e)
+            if isinstance(e, DagdiffError) or not ("__jax_array__" in text or "Traced" in text):
+                raise
+            raise TracerError(
+                f"{name}: a JAX/NumPy function was applied to a traced value outside any "
+                f"dd.layer ({type(e).__name__}: {text.splitlines()[0]}). Traced values have "
+                "no data while dagdiff traces; move that computation into a function wrapped "
+                "in dd.layer."
+            ) from e
     return trace, out, [targs[i] for i in argnums]
 
 

@@ -21,7 +21,8 @@ _registered: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 class ColocateVJP(SchedulerPlugin):
-    """Pin ``vjp_/igrad_/wgrad_`` tasks to the worker where their ``fwd_`` task ran."""
+    """Pin ``vjp_/igrad_/wgrad_`` tasks to the worker where their ``fwd_`` task ran
+    (unless the user pinned them with a ``workers=`` annotation)."""
 
     name = "dagdiff-colocate-vjp"
 
@@ -45,7 +46,8 @@ class ColocateVJP(SchedulerPlugin):
             pin = {next(iter(ts.who_has)).address}
         for dts in ts.dependents:
             k = dts.key
-            if isinstance(k, str) and k.startswith(_BWD) and k[k.index("_"):] == suffix:
+            if (isinstance(k, str) and k.startswith(_BWD) and k[k.index("_"):] == suffix
+                    and "workers" not in (dts.annotations or {})):  # explicit placement wins
                 if pin is not None:
                     dts.worker_restrictions = pin
                     dts.loose_restrictions = False

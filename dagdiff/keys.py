@@ -7,6 +7,7 @@ dashboard shows as the task prefix.
 """
 from __future__ import annotations
 
+import functools
 import re
 from typing import NamedTuple
 
@@ -49,6 +50,7 @@ class KeyInfo(NamedTuple):
     microbatch: int | None
 
 
+@functools.lru_cache(maxsize=4096)
 def sanitize(name: str) -> str:
     """Make `name` safe for a key: letters, digits and '_' only, starting with a letter."""
     out = re.sub("_+", "_", _BAD.sub("_", str(name))).strip("_") or "anon"
