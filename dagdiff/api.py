@@ -4,7 +4,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -116,22 +116,22 @@ def to_delayed(graph: Any, token: str, keys: Any) -> Any:
     return jax.tree_util.tree_map(wrap, keys, is_leaf=lambda x: x is None)
 
 
-def _maybe_colocate() -> None:
+def current_client() -> Any:
+    """The active distributed client (``Client.as_current()`` or the default), or None."""
     if "distributed" not in sys.modules:
-        return
+        return None
     from distributed import default_client
 
     try:
-        client = default_client()
+        return default_client()
     except ValueError:
-        return
-    from .colocate import ensure_colocation
-
-    ensure_colocation(client)
+        return None
 
 
 def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
-                   has_aux: bool = False) -> Callable[..., Any]:
+                   has_aux: bool = False, *, stages: int | str | None = None,
+                   placement: Mapping[int, Any] | None = None, fuse: bool = False,
+                   resident: bool = True) -> Callable[..., Any]:
     """Like `jax.value_and_grad`, but returns Dask collections and runs nothing.
 
     ``loss, grads = dd.value_and_grad(loss_fn)(params, x, t)`` traces `loss_fn` once
@@ -139,6 +139,15 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
     as a `dask.delayed.Delayed` and `grads` as a pytree shaped like the differentiated
     argument(s) with Delayed leaves (None for non-array leaves). Compute them with
     `dask.compute`, `Client.compute` or `persist`.
+
+    Placement is decided when tracing. With a distributed client active, stage k runs on
+    worker slot ``k mod n`` (`placement={stage: slot}` overrides) and parameters are
+    scattered to their stage's worker once and reused while the same arrays are passed
+    (`resident=False` ships them with every graph); without one, stage k runs on local
+    JAX device ``k mod n``. ``stages="auto"`` (or an int) splits an unstaged model into
+    that many stages (auto: one per worker/device) balanced by XLA's cost estimate.
+    ``fuse=True`` turns each run of consecutive calls on one stage into a single forward
+    and a single VJP task (one jitted function) - faster when layers are small.
     """
     fname = getattr(fn, "__name__", "fn")
 
@@ -153,19 +162,81 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
         else:
             loss, aux = out, None
         loss = _check_loss(loss, trace, fname)
+        client = current_client()
+        trace, loss, aux = prepare(trace, loss, aux, client, stages, fuse)
         plan = build_backward(trace, loss)
-        token = trace_token(trace, (nums, has_aux))
-        low = lower(trace, plan, token)
+        token = trace_token(trace, (nums, has_aux, fuse))
+        targets, inputs, home = place(trace, client, placement, resident)
+        low = lower(trace, plan, token, inputs=inputs,
+                    devices=dict(targets.of) if targets.kind == "devices" else None)
         keys = _result_keys(low, trace, loss, aux, targs, token)
-        _maybe_colocate()
-        from .placement import annotate_stages
-
-        lk, ak, gk = to_delayed(annotate_stages(low, token), token, keys)
+        graph = build_graph(low, trace, targets, home, token)
+        lk, ak, gk = to_delayed(graph, token, keys)
         grads = gk[0] if isinstance(argnums, int) else tuple(gk)
         return ((lk, ak) if has_aux else lk), grads
 
-    wrapped.__doc__ = (fn.__doc__ or "") + "\n\n(dagdiff value_and_grad: returns Delayed)"
     return wrapped
+
+
+def prepare(trace: Trace, loss: Traced, aux: Any, client: Any, stages: int | str | None,
+            fuse: bool) -> tuple[Trace, Traced, Any]:
+    """Apply stages="auto"/int and fusion to a fresh trace; remaps loss and aux."""
+    from .placement import auto_stages
+
+    if stages is not None:
+        if stages == "auto":
+            import jax as _jax
+
+            n = (len(client.scheduler_info()["workers"]) if client is not None
+                 else len(_jax.local_devices()))
+        elif isinstance(stages, int) and not isinstance(stages, bool) and stages > 0:
+            n = stages
+        else:
+            raise ValueError(f"stages must be 'auto', a positive int or None, got {stages!r}")
+        trace = auto_stages(trace, n)
+    if fuse:
+        from .fuse import fuse_trace
+
+        keep = {(loss.node, loss.leaf)}
+        keep |= {(v.node, v.leaf) for v in jax.tree_util.tree_leaves(aux)
+                 if isinstance(v, Traced)}
+        trace, remap = fuse_trace(trace, keep)
+        loss = remap[(loss.node, loss.leaf)]
+        aux = jax.tree_util.tree_map(
+            lambda v: remap[(v.node, v.leaf)] if isinstance(v, Traced) else v, aux)
+    return trace, loss, aux
+
+
+def place(trace: Trace, client: Any, placement: Mapping[int, Any] | None, resident: bool
+          ) -> tuple[Any, dict[int, tuple[Any, int]], dict[int, int | None]]:
+    """Resolve stage targets, and scatter resident parameters when a client is active."""
+    from .placement import home_stages, resident_inputs, resolve_targets
+
+    stages = {n.stage for n in trace.nodes if n.kind == "call" and n.stage is not None}
+    targets = resolve_targets(stages, client, placement)
+    home = home_stages(trace)
+    inputs: dict[int, tuple[Any, int]] = {}
+    if client is not None:
+        from .colocate import ensure_colocation
+
+        ensure_colocation(client)
+        if resident:
+            inputs = resident_inputs(trace, client, targets, home)
+    return targets, inputs, home
+
+
+def build_graph(low: Lowered, trace: Trace, targets: Any, home: dict[int, int | None],
+                token: str) -> HighLevelGraph:
+    """One HighLevelGraph layer holding every task, with per-key placement annotations."""
+    from dask.highlevelgraph import MaterializedLayer
+
+    from .placement import annotations_for
+
+    for node, key in low.data_keys.items():
+        low.stage_of[key] = home.get(node)
+    name = f"dagdiff-{token}"
+    layer = MaterializedLayer(low.dsk, annotations=annotations_for(low.stage_of, targets) or None)
+    return HighLevelGraph({name: layer}, {name: set()})
 
 
 def _result_keys(low: Lowered, trace: Trace, loss: Traced, aux: Any, targs: list[Any],

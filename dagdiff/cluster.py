@@ -98,6 +98,7 @@ def local_cluster(
     options: dict[str, Any] = dict(
         n_workers=0, threads_per_worker=1, processes=True, host=host,
         dashboard_address=dashboard_address, scheduler_kwargs=sched, env=worker_env,
+        preload=["dagdiff"],   # registers jax-array serializers before any data arrives
     )
     if base is not LocalCluster:  # dask-cuda sets CUDA_VISIBLE_DEVICES per worker itself
         options.pop("threads_per_worker")

@@ -11,7 +11,7 @@ import logging
 import weakref
 from typing import Any
 
-from distributed.diagnostics.plugin import SchedulerPlugin
+from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 
 __all__ = ["ColocateVJP", "ensure_colocation"]
 
@@ -55,12 +55,23 @@ class ColocateVJP(SchedulerPlugin):
                     dts.worker_restrictions = None
 
 
+class LoadDagdiff(WorkerPlugin):
+    """Import dagdiff on every worker (present and future) so that its serializers for
+    jax arrays are registered before any data arrives."""
+
+    name = "dagdiff-load"
+
+    def setup(self, worker: Any) -> None:
+        import dagdiff  # noqa: F401  (registers sizeof and serializers)
+
+
 def _has_plugin(dask_scheduler: Any = None) -> bool:
     return ColocateVJP.name in dask_scheduler.plugins
 
 
 def ensure_colocation(client: Any) -> bool:
-    """Register `ColocateVJP` on `client`'s scheduler once; False if that is impossible."""
+    """Register `ColocateVJP` on `client`'s scheduler and `LoadDagdiff` on its workers, once
+    per client; False if that is impossible."""
     if client in _registered:
         return True
     try:
@@ -68,6 +79,7 @@ def ensure_colocation(client: Any) -> bool:
             return False
         if not client.run_on_scheduler(_has_plugin):
             client.register_plugin(ColocateVJP(), name=ColocateVJP.name)
+        client.register_plugin(LoadDagdiff(), name=LoadDagdiff.name)
     except Exception as e:  # e.g. dagdiff not installed where the scheduler runs
         log.warning("dagdiff: could not register the VJP colocation plugin (%s); VJP tasks "
                     "may rematerialize pullbacks (see dd.remat_count)", e)

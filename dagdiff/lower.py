@@ -29,6 +29,7 @@ class Lowered:
     fwd_keys: dict[int, str] = field(default_factory=dict)          # call node -> key
     bwd_keys: dict[int, list[str]] = field(default_factory=dict)    # call node -> vjp keys
     grad_keys: dict[int, str] = field(default_factory=dict)         # param node -> key
+    data_keys: dict[int, str] = field(default_factory=dict)         # input node -> key
     op_keys: dict[int, str] = field(default_factory=dict)           # backward op -> key
 
     def add(self, key: str, task: Any, stage: int | None) -> str:
@@ -73,7 +74,7 @@ def lower(
     inputs: dict[int, tuple[str, int]] | None = None,
     seed_scale: float = 1.0,
     split_backward: bool = False,
-    loss: Traced | None = None,
+    devices: dict[int | None, int | None] | None = None,
 ) -> Lowered:
     """Emit the tasks of `trace` (and of `plan`, when given) into a `Lowered`.
 
@@ -81,25 +82,28 @@ def lower(
     splits; other input and param nodes become data nodes. `seed_scale` is the
     cotangent of the loss (1/m when m microbatch losses are averaged).
     `split_backward` emits separate input-gradient (I) and weight-gradient (W) tasks.
+    `devices` maps stages to local JAX device indices (single-process stage pinning).
     """
     low = Lowered()
     inputs = inputs or {}
+    dev = (devices or {}).get
     refs: dict[int, tuple[Any, int]] = {}
 
     for node in trace.nodes:
         if node.kind != "call":
-            if node.index in inputs:
+            if node.index in inputs:  # an existing key, or a Future of a resident value
                 key, src = inputs[node.index]
-                refs[node.index] = (TaskRef(key), src)
+                refs[node.index] = (TaskRef(key) if isinstance(key, str) else key, src)
             else:
                 key = make_key(node.kind, node.path or "x", node.index, token)
                 if key not in low.dsk:
                     low.add(key, DataNode(key, node.value), None)
+                    low.data_keys[node.index] = key
                 refs[node.index] = (TaskRef(key), -1)
             continue
         key = make_key("F", node.name, node.index, token, node.stage, microbatch)
         srcs, vals = _args(node, refs)
-        low.add(key, Task(key, fwd_task, node.spec, srcs, *vals), node.stage)
+        low.add(key, Task(key, fwd_task, node.spec, srcs, dev(node.stage), *vals), node.stage)
         low.fwd_keys[node.index] = key
         refs[node.index] = (TaskRef(key), 0)
     if plan is None:
@@ -113,9 +117,10 @@ def lower(
     for op in plan.ops:
         if isinstance(op, Vjp):
             node = trace.nodes[op.node]
-            _lower_vjp(low, node, op, token, microbatch, refs, source, split_backward)
+            _lower_vjp(low, node, op, token, microbatch, refs, source, split_backward,
+                       dev(node.stage))
         else:
-            _lower_sum(low, trace.nodes[op.node], op, token, microbatch, source)
+            _lower_sum(low, trace.nodes[op.node], op, token, microbatch, source, dev)
     for pnode, opi in plan.grads.items():
         low.grad_keys[pnode] = low.op_keys[opi]
     return low
@@ -138,7 +143,8 @@ def _args(node: Node, refs: dict[int, tuple[Any, int]]) -> tuple[tuple[int, ...]
 
 
 def _lower_vjp(low: Lowered, node: Node, op: Vjp, token: str, mb: int | None,
-               refs: dict[int, tuple[Any, int]], source: Any, split: bool) -> None:
+               refs: dict[int, tuple[Any, int]], source: Any, split: bool,
+               dev: int | None) -> None:
     ct_srcs, ct_vals = [], []
     for c, aval in zip(op.cts, node.out_avals):
         if c is None:
@@ -160,7 +166,7 @@ def _lower_vjp(low: Lowered, node: Node, op: Vjp, token: str, mb: int | None,
     keys = []
     for phase, wrt in groups:
         key = make_key(phase, node.name, node.index, token, node.stage, mb)
-        low.add(key, Task(key, vjp_task, node.spec, srcs, wrt, tuple(ct_srcs), fwd,
+        low.add(key, Task(key, vjp_task, node.spec, srcs, wrt, tuple(ct_srcs), dev, fwd,
                           *ct_vals, *primals), node.stage)
         keys.append(key)
     low.bwd_keys[node.index] = keys
@@ -187,7 +193,7 @@ class _Split(str):
 
 
 def _lower_sum(low: Lowered, node: Node, op: Sum, token: str, mb: int | None,
-               source: Any) -> None:
+               source: Any, dev: Any) -> None:
     srcs, vals = [], []
     aval = node.out_avals[op.leaf]
     for p in op.parts:
@@ -200,7 +206,8 @@ def _lower_sum(low: Lowered, node: Node, op: Sum, token: str, mb: int | None,
     else:
         key = make_key("add", node.name, node.index, token, node.stage, mb, out=op.leaf)
         stage = node.stage
-    low.add(key, Task(key, sum_task, tuple(srcs), (aval.shape, aval.dtype), *vals), stage)
+    low.add(key, Task(key, sum_task, tuple(srcs), (aval.shape, aval.dtype), dev(stage), *vals),
+            stage)
     low.op_keys[op.index] = key
 
 

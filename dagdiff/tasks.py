@@ -219,17 +219,32 @@ def _take(value: Any, src: int) -> Any:
     return value[src]
 
 
-def _split(spec: CallSpec, srcs: tuple[int, ...], vals: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+def _device(dev: int | None) -> Any:
+    return None if dev is None else jax.local_devices()[dev % len(jax.local_devices())]
+
+
+def _put(x: Any, device: Any) -> Any:
+    """Move an array to `device` (no-op when already there or when device is None)."""
+    if device is None or not isinstance(x, (jax.Array, np.ndarray)):
+        return x
+    if isinstance(x, jax.Array) and x.devices() == {device}:
+        return x
+    return jax.device_put(x, device)
+
+
+def _split(spec: CallSpec, srcs: tuple[int, ...], vals: Sequence[Any],
+           device: Any = None) -> tuple[list[Any], list[Any]]:
     d, nd = [], []
     for f, s, v in zip(spec.diff, srcs, vals):
-        (d if f else nd).append(_take(v, s))
+        (d if f else nd).append(_put(_take(v, s), device))
     return d, nd
 
 
-def fwd_task(spec: CallSpec, srcs: tuple[int, ...], *vals: Any) -> FwdResult:
-    """Forward of one layer call: outputs plus the pullback (kept in this process)."""
+def fwd_task(spec: CallSpec, srcs: tuple[int, ...], dev: int | None, *vals: Any) -> FwdResult:
+    """Forward of one layer call: outputs plus the pullback (kept in this process).
+    `dev`: index of the local JAX device to run on (single-process stage pinning)."""
     c = _compiled(spec)
-    d, nd = _split(spec, srcs, vals)
+    d, nd = _split(spec, srcs, vals, _device(dev))
     if spec.remat or not d:
         return FwdResult(c.forward(d, nd), None)
     out, pb = c.fwd_vjp(d, nd)
@@ -237,31 +252,34 @@ def fwd_task(spec: CallSpec, srcs: tuple[int, ...], *vals: Any) -> FwdResult:
 
 
 def vjp_task(spec: CallSpec, srcs: tuple[int, ...], wrt: tuple[int, ...],
-             ct_srcs: tuple[int | None, ...], fwd: FwdResult, *vals: Any) -> tuple[Any, ...]:
+             ct_srcs: tuple[int | None, ...], dev: int | None, fwd: FwdResult,
+             *vals: Any) -> tuple[Any, ...]:
     """VJP of one layer call w.r.t. differentiated leaves `wrt` (indices among them).
 
     `vals` holds the output cotangents (one per non-None entry of `ct_srcs`) followed
     by the primal inputs, which are only read to rebuild a pullback that moved.
     """
     n_ct = sum(s is not None for s in ct_srcs)
+    device = _device(dev)
     it = iter(vals[:n_ct])
-    cts = [None if s is None else _take(next(it), s) for s in ct_srcs]
+    cts = [None if s is None else _put(_take(next(it), s), device) for s in ct_srcs]
     c = _compiled(spec)
     if fwd.pullback is not None:
         return c.bwd(fwd.pullback, cts, wrt)
     if not spec.remat:
         with _LOCK:
             _COUNTS["remat"] += 1
-    d, nd = _split(spec, srcs, vals[n_ct:])
+    d, nd = _split(spec, srcs, vals[n_ct:], device)
     return c.remat_bwd(d, nd, cts, wrt)
 
 
-def sum_task(srcs: tuple[int, ...], zeros: Any, *vals: Any) -> Any:
+def sum_task(srcs: tuple[int, ...], zeros: Any, dev: int | None, *vals: Any) -> Any:
     """Sum cotangent contributions (each a leaf of a VJP result); `zeros` when there are none."""
-    parts = [_take(v, s) for v, s in zip(vals, srcs)]
+    device = _device(dev)
+    parts = [_put(_take(v, s), device) for v, s in zip(vals, srcs)]
     if not parts:
         shape, dtype = zeros
-        return jnp.zeros(shape, dtype)
+        return _put(jnp.zeros(shape, dtype), device)
     total = parts[0]
     for p in parts[1:]:
         total = total + p

@@ -22,7 +22,7 @@ def cluster2() -> Any:
     """A 2-worker LocalCluster of processes, shared by the whole session."""
     import dagdiff as dd
 
-    cluster = dd.local_cluster(n_workers=2, env=WORKER_ENV, dashboard_address=None)
+    cluster = dd.local_cluster(n_workers=2, env=WORKER_ENV, dashboard_address=None, quiet=True)
     yield cluster
     cluster.close()
 
@@ -57,3 +57,22 @@ def compute(request: Any) -> Callable[..., Any]:
     run_local.client = None  # type: ignore[attr-defined]
     run_local.name = request.param  # type: ignore[attr-defined]
     return run_local
+
+
+@pytest.fixture(scope="session")
+def cluster4() -> Any:
+    """A 4-worker LocalCluster (workers mostly wait on each other; fits 2 cores)."""
+    import dagdiff as dd
+
+    cluster = dd.local_cluster(n_workers=4, env=WORKER_ENV, dashboard_address=None, quiet=True)
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture(scope="session")
+def client4(cluster4: Any) -> Any:
+    from distributed import Client
+
+    client = Client(cluster4, set_as_default=False)
+    yield client
+    client.close()
