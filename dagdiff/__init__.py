@@ -14,8 +14,9 @@ from .errors import (
 )
 from .keys import KeyInfo, key_info
 from .layer import Layer, layer
-from .metrics import remat_count, reset_remat_count
+from .metrics import peak_live, remat_count, reset_peak_live, reset_remat_count
 from .placement import stage
+from .schedules import Schedule, ScheduleError, get_schedule
 from .serialize import register as _register_serializers
 from .tracer import Traced
 
@@ -35,6 +36,11 @@ __all__ = [
     "Traced",
     "remat_count",
     "reset_remat_count",
+    "peak_live",
+    "reset_peak_live",
+    "Schedule",
+    "ScheduleError",
+    "get_schedule",
     "DagdiffError",
     "LayerShapeError",
     "LayerTypeError",

@@ -40,7 +40,7 @@ def trace_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
     with trace:
         for i, a in enumerate(args):
             leaves, td = jax.tree_util.tree_flatten_with_path(a)
-            new = [trace.add_input(x, _path(names[i], p), i in argnums) if is_array(x) else x
+            new = [trace.add_input(x, _path(names[i], p), i in argnums) if _is_input(x) else x
                    for p, x in leaves]
             targs.append(jax.tree_util.tree_unflatten(td, new))
         tkw = {k: jax.tree_util.tree_map(
@@ -59,6 +59,11 @@ def trace_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
                 "in dd.layer."
             ) from e
     return trace, out, [targs[i] for i in argnums]
+
+
+def _is_input(x: Any) -> bool:
+    """Array leaves, and ShapeDtypeStruct placeholders (microbatches built later)."""
+    return is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
 
 def _path(argname: str, path: Any) -> str:
@@ -129,7 +134,9 @@ def current_client() -> Any:
 
 
 def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
-                   has_aux: bool = False, *, stages: int | str | None = None,
+                   has_aux: bool = False, *, microbatches: int = 1, schedule: Any = None,
+                   batch_argnums: Sequence[int] | None = None, batch_axis: int = 0,
+                   stages: int | str | None = None,
                    placement: Mapping[int, Any] | None = None, fuse: bool = False,
                    resident: bool = True) -> Callable[..., Any]:
     """Like `jax.value_and_grad`, but returns Dask collections and runs nothing.
@@ -148,8 +155,24 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
     that many stages (auto: one per worker/device) balanced by XLA's cost estimate.
     ``fuse=True`` turns each run of consecutive calls on one stage into a single forward
     and a single VJP task (one jitted function) - faster when layers are small.
+
+    ``microbatches=m`` with ``schedule=`` ("gpipe", "1f1b", "interleaved", "zb-h1" or a
+    `dd.Schedule`) runs a pipeline: the arguments in `batch_argnums` (default: every
+    positional argument not differentiated) are split into m parts along `batch_axis`,
+    the model is lowered once per microbatch, and each worker runs its tasks in the
+    schedule's order. `loss` is the mean of the microbatch losses and `grads` its
+    gradient (equal to the full-batch ones for a mean loss); with `has_aux`, aux is a
+    list with one entry per microbatch.
     """
     fname = getattr(fn, "__name__", "fn")
+    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+        raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
+    if microbatches > 1 or schedule is not None:
+        from .pipeline import resolve_schedule
+
+        sched = resolve_schedule(schedule)
+        return _pipelined(fn, fname, argnums, has_aux, microbatches, sched, batch_argnums,
+                          batch_axis, stages, placement, fuse, resident)
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -170,7 +193,59 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
         low = lower(trace, plan, token, inputs=inputs,
                     devices=dict(targets.of) if targets.kind == "devices" else None)
         keys = _result_keys(low, trace, loss, aux, targs, token)
-        graph = build_graph(low, trace, targets, home, token)
+        for node, key in low.data_keys.items():
+            low.stage_of[key] = home.get(node)
+        graph = build_graph(low.dsk, low.stage_of, targets, token)
+        lk, ak, gk = to_delayed(graph, token, keys)
+        grads = gk[0] if isinstance(argnums, int) else tuple(gk)
+        return ((lk, ak) if has_aux else lk), grads
+
+    return wrapped
+
+
+def _pipelined(fn: Callable[..., Any], fname: str, argnums: Any, has_aux: bool, m: int,
+               sched: Any, batch_argnums: Sequence[int] | None, axis: int, stages: Any,
+               placement: Any, fuse: bool, resident: bool) -> Callable[..., Any]:
+    from .pipeline import lower_pipeline, microbatch_avals
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        nums = _argnums(argnums, len(args), fname)
+        names = _argnames(fn, len(args))
+        batch = ([i for i in range(len(args)) if i not in nums] if batch_argnums is None
+                 else list(_argnums(tuple(batch_argnums), len(args), fname)))
+        mb_args = microbatch_avals(args, names, batch, axis, m)
+        trace, out, targs = trace_call(fn, tuple(mb_args), kwargs, nums, fname)
+        loss, aux = (out if has_aux else (out, None))
+        loss = _check_loss(loss, trace, fname)
+        # full-batch values of the placeholder inputs (nodes are created in argument order)
+        full: dict[int, Any] = {}
+        it = iter(n for n in trace.nodes if n.kind != "call")
+        for orig, mb in zip(args, mb_args):
+            for o, x in zip(jax.tree_util.tree_leaves(orig), jax.tree_util.tree_leaves(mb)):
+                if _is_input(x):
+                    node = next(it)
+                    if isinstance(x, jax.ShapeDtypeStruct):
+                        full[node.index] = o
+        client = current_client()
+        trace, loss, aux = prepare(trace, loss, aux, client, stages, fuse)
+        plan = build_backward(trace, loss)
+        token = trace_token(trace, (nums, has_aux, fuse, m, repr(sched), axis,
+                                    tuple(sorted(full))))
+        from dask.base import tokenize
+
+        token = token[:8] + tokenize(*full.values(), ensure_deterministic=False)[:8]
+        targets, inputs, home = place(trace, client, placement, resident)
+        pg = lower_pipeline(trace, plan, token, m, sched, full, axis, inputs, home, loss, aux,
+                            dict(targets.of) if targets.kind == "devices" else None)
+        keys = (OutKey(pg.loss_key),
+                jax.tree_util.tree_map(lambda k: OutKey(k) if isinstance(k, str) else k,
+                                       pg.aux_keys),
+                [jax.tree_util.tree_map(
+                    lambda v: OutKey(pg.grad_keys[v.node])
+                    if isinstance(v, Traced) and v.node in pg.grad_keys else None,
+                    a, is_leaf=lambda x: x is None) for a in targs])
+        graph = build_graph(pg.dsk, pg.stage_of, targets, token, pg.priority)
         lk, ak, gk = to_delayed(graph, token, keys)
         grads = gk[0] if isinstance(argnums, int) else tuple(gk)
         return ((lk, ak) if has_aux else lk), grads
@@ -225,17 +300,19 @@ def place(trace: Trace, client: Any, placement: Mapping[int, Any] | None, reside
     return targets, inputs, home
 
 
-def build_graph(low: Lowered, trace: Trace, targets: Any, home: dict[int, int | None],
-                token: str) -> HighLevelGraph:
-    """One HighLevelGraph layer holding every task, with per-key placement annotations."""
+def build_graph(dsk: dict[str, Any], stage_of: Mapping[str, int | None], targets: Any,
+                token: str, priority: dict[str, int] | None = None) -> HighLevelGraph:
+    """One HighLevelGraph layer holding every task, with per-key placement annotations
+    (and schedule priorities)."""
     from dask.highlevelgraph import MaterializedLayer
 
     from .placement import annotations_for
 
-    for node, key in low.data_keys.items():
-        low.stage_of[key] = home.get(node)
+    annotations = annotations_for(stage_of, targets)
+    if priority:
+        annotations["priority"] = priority.get
     name = f"dagdiff-{token}"
-    layer = MaterializedLayer(low.dsk, annotations=annotations_for(low.stage_of, targets) or None)
+    layer = MaterializedLayer(dsk, annotations=annotations or None)
     return HighLevelGraph({name: layer}, {name: set()})
 
 

@@ -94,10 +94,13 @@ def local_cluster(
         raise ValueError(f"local_cluster needs n_workers >= 1, got {n_workers}")
     sched = dict(kwargs.pop("scheduler_kwargs", None) or {})
     sched.setdefault("plugins", [ColocateVJP()])
+    if dashboard_address is None:  # no dashboard at all (tests, benchmarks)
+        sched.setdefault("dashboard", False)
     cls = _slotted(base)
     options: dict[str, Any] = dict(
         n_workers=0, threads_per_worker=1, processes=True, host=host,
-        dashboard_address=dashboard_address, scheduler_kwargs=sched, env=worker_env,
+        dashboard_address=dashboard_address or "127.0.0.1:0", scheduler_kwargs=sched,
+        env=worker_env,
         preload=["dagdiff"],   # registers jax-array serializers before any data arrives
     )
     if base is not LocalCluster:  # dask-cuda sets CUDA_VISIBLE_DEVICES per worker itself

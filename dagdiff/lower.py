@@ -89,6 +89,7 @@ def lower(
     dev = (devices or {}).get
     refs: dict[int, tuple[Any, int]] = {}
 
+    has_vjp = {op.node for op in plan.ops if isinstance(op, Vjp)} if plan is not None else set()
     for node in trace.nodes:
         if node.kind != "call":
             if node.index in inputs:  # an existing key, or a Future of a resident value
@@ -103,7 +104,8 @@ def lower(
             continue
         key = make_key("F", node.name, node.index, token, node.stage, microbatch)
         srcs, vals = _args(node, refs)
-        low.add(key, Task(key, fwd_task, node.spec, srcs, dev(node.stage), *vals), node.stage)
+        low.add(key, Task(key, fwd_task, node.spec, srcs, dev(node.stage), *vals,
+                          tag=(node.stage, microbatch), vjp=node.index in has_vjp), node.stage)
         low.fwd_keys[node.index] = key
         refs[node.index] = (TaskRef(key), 0)
     if plan is None:
@@ -164,10 +166,10 @@ def _lower_vjp(low: Lowered, node: Node, op: Vjp, token: str, mb: int | None,
     else:
         groups = [("B", tuple(range(n)))]
     keys = []
-    for phase, wrt in groups:
+    for i, (phase, wrt) in enumerate(groups):
         key = make_key(phase, node.name, node.index, token, node.stage, mb)
         low.add(key, Task(key, vjp_task, node.spec, srcs, wrt, tuple(ct_srcs), dev, fwd,
-                          *ct_vals, *primals), node.stage)
+                          *ct_vals, *primals, release=i == len(groups) - 1), node.stage)
         keys.append(key)
     low.bwd_keys[node.index] = keys
     if len(groups) == 1:

@@ -5,7 +5,8 @@ from typing import Any
 
 from . import tasks
 
-__all__ = ["remat_count", "reset_remat_count", "compile_counts"]
+__all__ = ["remat_count", "reset_remat_count", "compile_counts", "peak_live",
+           "reset_peak_live"]
 
 
 def _client(client: Any) -> Any:
@@ -51,3 +52,24 @@ def compile_counts(client: Any = None) -> dict[str, int]:
     if c is not None:
         out.update(c.run(tasks.compile_count))
     return out
+
+
+def peak_live(client: Any = None) -> dict[Any, int]:
+    """Per stage: the most microbatches whose pullbacks were alive at once (max over this
+    process and, with a client, every worker). 1F1B keeps it at p - s on stage s of p;
+    GPipe lets it reach the number of microbatches."""
+    out = dict(tasks.peak_live())
+    c = _client(client)
+    if c is not None:
+        for per in c.run(tasks.peak_live).values():
+            for s, n in per.items():
+                out[s] = max(out.get(s, 0), n)
+    return out
+
+
+def reset_peak_live(client: Any = None) -> None:
+    """Forget the peaks recorded so far (this process and the client's workers)."""
+    tasks.reset_peak_live()
+    c = _client(client)
+    if c is not None:
+        c.run(tasks.reset_peak_live)

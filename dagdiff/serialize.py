@@ -83,6 +83,36 @@ def register() -> None:
         return
     dask_serialize.register(jax_array_type)(_serialize_jax)
     dask_deserialize.register(jax_array_type)(_deserialize_jax)
+    _register_cuda()
+
+
+def _register_cuda() -> None:
+    """On GPU workers with CuPy: send device buffers of jax arrays through Dask's ``cuda``
+    serializer family (used by the UCX comm of distributed-ucxx), via DLPack, no host copy.
+    Over TCP, or for CPU arrays, the ``dask`` family above is used instead."""
+    try:
+        import cupy  # noqa: F401
+        from distributed.protocol.cuda import cuda_deserialize, cuda_serialize
+    except Exception:
+        return
+
+    @cuda_serialize.register(jax_array_type)
+    def _ser(x: Any) -> tuple[dict[str, Any], list[Any]]:
+        import cupy
+
+        if not any(d.platform == "gpu" for d in x.devices()):
+            raise TypeError("not a GPU array")  # distributed then tries the next family
+        arr = cupy.from_dlpack(x)
+        header, frames = cuda_serialize.dispatch(cupy.ndarray)(arr)
+        header["dagdiff-jax"] = True
+        return header, frames
+
+    @cuda_deserialize.register(jax_array_type)
+    def _deser(header: dict[str, Any], frames: list[Any]) -> Any:
+        import cupy
+
+        arr = cuda_deserialize.dispatch(cupy.ndarray)(header, frames)
+        return jax.dlpack.from_dlpack(arr)
 
 
 _ = jax  # jax must be importable for jax_array_type

@@ -23,9 +23,13 @@ __all__ = [
     "vjp_task",
     "sum_task",
     "select_task",
+    "slice_task",
+    "mean_task",
     "remat_count",
     "reset_remat_count",
     "compile_count",
+    "peak_live",
+    "reset_peak_live",
 ]
 
 
@@ -187,12 +191,14 @@ class FwdResult:
     and a VJP task that receives a copy rebuilds the pullback from its primals.
     """
 
-    __slots__ = ("out", "pullback", "moved")
+    __slots__ = ("out", "pullback", "moved", "tag")
 
-    def __init__(self, out: list[Any], pullback: Any, moved: bool = False) -> None:
+    def __init__(self, out: list[Any], pullback: Any, moved: bool = False,
+                 tag: tuple[Any, Any] | None = None) -> None:
         self.out = out
         self.pullback = pullback
         self.moved = moved
+        self.tag = tag
 
     def __reduce__(self) -> Any:
         return (_arrived, (self.out,))
@@ -240,32 +246,80 @@ def _split(spec: CallSpec, srcs: tuple[int, ...], vals: Sequence[Any],
     return d, nd
 
 
-def fwd_task(spec: CallSpec, srcs: tuple[int, ...], dev: int | None, *vals: Any) -> FwdResult:
+# live pullbacks per (stage, microbatch) tag, and the peak number of microbatches with a
+# live pullback per stage: how tests and users check a schedule's memory bound
+_LIVE: dict[tuple[Any, Any], int] = {}
+_PEAK: dict[Any, int] = {}
+
+
+def _track(tag: tuple[Any, Any] | None, delta: int) -> None:
+    if tag is None or tag[1] is None:
+        return
+    with _LOCK:
+        n = _LIVE.get(tag, 0) + delta
+        if n > 0:
+            _LIVE[tag] = n
+        else:
+            _LIVE.pop(tag, None)
+        if delta > 0:
+            alive = sum(1 for t in _LIVE if t[0] == tag[0])
+            _PEAK[tag[0]] = max(_PEAK.get(tag[0], 0), alive)
+
+
+def peak_live() -> dict[Any, int]:
+    """Per stage: the most microbatches whose pullbacks were alive at once in this process."""
+    return dict(_PEAK)
+
+
+def reset_peak_live() -> None:
+    with _LOCK:
+        _PEAK.clear()
+
+
+def fwd_task(spec: CallSpec, srcs: tuple[int, ...], dev: int | None, *vals: Any,
+             tag: tuple[Any, Any] | None = None, vjp: bool = True, **after: Any) -> FwdResult:
     """Forward of one layer call: outputs plus the pullback (kept in this process).
-    `dev`: index of the local JAX device to run on (single-process stage pinning)."""
+
+    `dev`: local JAX device index (single-process stage pinning). `tag`: (stage,
+    microbatch) for the live-pullback count. `vjp=False`: no VJP task will ask for a
+    pullback (the call does not reach the loss). `after`: ordering-only dependencies.
+    """
     c = _compiled(spec)
     d, nd = _split(spec, srcs, vals, _device(dev))
-    if spec.remat or not d:
-        return FwdResult(c.forward(d, nd), None)
-    out, pb = c.fwd_vjp(d, nd)
-    return FwdResult(out, pb)
+    if spec.remat or not d or not vjp:
+        return FwdResult(jax.block_until_ready(c.forward(d, nd)), None, tag=tag)
+    out, pb = jax.block_until_ready(c.fwd_vjp(d, nd))   # the task ends when its work does
+    _track(tag, +1)
+    return FwdResult(out, pb, tag=tag)
 
 
 def vjp_task(spec: CallSpec, srcs: tuple[int, ...], wrt: tuple[int, ...],
              ct_srcs: tuple[int | None, ...], dev: int | None, fwd: FwdResult,
-             *vals: Any) -> tuple[Any, ...]:
+             *vals: Any, release: bool = False, **after: Any) -> tuple[Any, ...]:
     """VJP of one layer call w.r.t. differentiated leaves `wrt` (indices among them).
 
     `vals` holds the output cotangents (one per non-None entry of `ct_srcs`) followed
     by the primal inputs, which are only read to rebuild a pullback that moved.
+    `release`: this is the call's last backward task, so its pullback is dropped after.
     """
+    out = jax.block_until_ready(_vjp(spec, srcs, wrt, ct_srcs, dev, fwd, vals))
+    if release and fwd.pullback is not None:
+        fwd.pullback = None
+        _track(fwd.tag, -1)
+    return out
+
+
+def _vjp(spec: CallSpec, srcs: tuple[int, ...], wrt: tuple[int, ...],
+         ct_srcs: tuple[int | None, ...], dev: int | None, fwd: FwdResult,
+         vals: Sequence[Any]) -> tuple[Any, ...]:
     n_ct = sum(s is not None for s in ct_srcs)
     device = _device(dev)
     it = iter(vals[:n_ct])
     cts = [None if s is None else _put(_take(next(it), s), device) for s in ct_srcs]
     c = _compiled(spec)
-    if fwd.pullback is not None:
-        return c.bwd(fwd.pullback, cts, wrt)
+    pb = fwd.pullback
+    if pb is not None:
+        return c.bwd(pb, cts, wrt)
     if not spec.remat:
         with _LOCK:
             _COUNTS["remat"] += 1
@@ -273,7 +327,8 @@ def vjp_task(spec: CallSpec, srcs: tuple[int, ...], wrt: tuple[int, ...],
     return c.remat_bwd(d, nd, cts, wrt)
 
 
-def sum_task(srcs: tuple[int, ...], zeros: Any, dev: int | None, *vals: Any) -> Any:
+def sum_task(srcs: tuple[int, ...], zeros: Any, dev: int | None, *vals: Any,
+             **after: Any) -> Any:
     """Sum cotangent contributions (each a leaf of a VJP result); `zeros` when there are none."""
     device = _device(dev)
     parts = [_put(_take(v, s), device) for v, s in zip(vals, srcs)]
@@ -284,6 +339,22 @@ def sum_task(srcs: tuple[int, ...], zeros: Any, dev: int | None, *vals: Any) -> 
     for p in parts[1:]:
         total = total + p
     return total
+
+
+def slice_task(axis: int, mb: int, m: int, value: Any) -> Any:
+    """Microbatch `mb` of `m` equal parts of `value` along `axis`."""
+    size = value.shape[axis] // m
+    index = [slice(None)] * value.ndim
+    index[axis] = slice(mb * size, (mb + 1) * size)
+    return value[tuple(index)]
+
+
+def mean_task(*values: Any) -> Any:
+    """Mean of the microbatch losses."""
+    total = values[0]
+    for v in values[1:]:
+        total = total + v
+    return total / len(values)
 
 
 def select_task(src: int, value: Any) -> Any:

@@ -1,0 +1,172 @@
+"""Microbatched pipelines: split the batch, lower the traced model once per microbatch, and
+make every worker run its tasks in the order its `Schedule` gives (ordering edges between
+consecutive actions of a worker, plus priorities). Data dependencies still come only from
+the traced graph; losses are averaged, gradients accumulated on the stage's worker."""
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+from dask._task_spec import DataNode, Task, TaskRef
+
+from .errors import MicrobatchError, PlacementError
+from .keys import key_info, make_key
+from .lower import Lowered
+from .schedules import Schedule, get_schedule
+from .tasks import mean_task, slice_task
+
+__all__ = ["microbatch_avals", "lower_pipeline", "PipelineGraph", "order_actions"]
+
+
+def microbatch_avals(args: Sequence[Any], names: Sequence[str], batch_argnums: Sequence[int],
+                     axis: int, m: int) -> list[Any]:
+    """The arguments with each batch leaf replaced by its microbatch's ShapeDtypeStruct."""
+    out = list(args)
+    for i in batch_argnums:
+        def shrink(x: Any, i: int = i) -> Any:
+            if not isinstance(x, (jax.Array, np.ndarray)):
+                return x
+            shape = tuple(np.shape(x))
+            if not shape:
+                raise MicrobatchError(f"argument {names[i]!r} has a scalar leaf; it cannot be "
+                                      f"split into {m} microbatches (exclude it with "
+                                      "batch_argnums=...)")
+            ax = axis % len(shape)
+            if shape[ax] % m:
+                raise MicrobatchError(
+                    f"argument {names[i]!r} has shape {shape}: its axis {ax} (size "
+                    f"{shape[ax]}) does not divide into {m} microbatches; use a batch size "
+                    f"that is a multiple of {m}, or another microbatches=")
+            new = list(shape)
+            new[ax] //= m
+            return jax.ShapeDtypeStruct(tuple(new), x.dtype)
+        out[i] = jax.tree_util.tree_map(shrink, args[i])
+    return out
+
+
+@dataclasses.dataclass
+class PipelineGraph:
+    """All microbatches' tasks, with the keys of the mean loss, grads and per-mb aux."""
+
+    dsk: dict[str, Any]
+    stage_of: dict[str, int | None]
+    priority: dict[str, int]
+    loss_key: str
+    grad_keys: dict[int, str]
+    aux_keys: list[Any]
+    lowered: list[Lowered]
+
+
+def lower_pipeline(trace: Any, plan: Any, token: str, m: int, schedule: Schedule,
+                   full_values: Mapping[int, Any], axis: int, resident: Mapping[int, Any],
+                   home: Mapping[int, int | None], loss: Any, aux: Any,
+                   devices: dict[int | None, int | None] | None) -> PipelineGraph:
+    """Lower `trace` for `m` microbatches, ordered per worker by `schedule`."""
+    from .lower import lower, select
+
+    dsk: dict[str, Any] = {}
+    stage_of: dict[str, int | None] = {}
+    shared: dict[int, tuple[Any, int]] = dict(resident)
+    # full batch values once, split on the worker of the input's first consumer
+    splits: dict[int, list[str]] = {}
+    for idx, value in full_values.items():
+        node = trace.nodes[idx]
+        full = make_key("input", node.path or "x", idx, token)
+        dsk[full] = DataNode(full, value)
+        stage_of[full] = home.get(idx)
+        splits[idx] = []
+        for mb in range(m):
+            k = make_key("split", node.path or "x", idx, token, None, mb)
+            dsk[k] = Task(k, slice_task, axis, mb, m, TaskRef(full))
+            stage_of[k] = home.get(idx)
+            splits[idx].append(k)
+    lowered: list[Lowered] = []
+    loss_keys, aux_keys = [], []
+    prev_grads: dict[int, str] = {}
+    for mb in range(m):
+        inputs = dict(shared)
+        inputs.update({idx: (keys[mb], -1) for idx, keys in splits.items()})
+        low = lower(trace, plan, token, microbatch=mb, inputs=inputs, seed_scale=1.0 / m,
+                    split_backward=schedule.split_backward, devices=devices)
+        if mb == 0:  # params and other unsplit inputs: one data node for all microbatches
+            for idx, key in low.data_keys.items():
+                shared[idx] = (key, -1)
+                stage_of[key] = home.get(idx)
+        # running gradient sum on the stage's worker: grad(mb) = grad(mb-1) + contributions
+        for pnode, key in low.grad_keys.items():
+            if pnode in prev_grads:
+                t = low.dsk[key]
+                srcs, zeros, dev, *vals = t.args
+                low.dsk[key] = Task(key, t.func, (*srcs, -1), zeros, dev, *vals,
+                                    TaskRef(prev_grads[pnode]))
+            prev_grads[pnode] = key
+        loss_keys.append(select(low, trace, loss, "loss", token, mb))
+        aux_keys.append(jax.tree_util.tree_map(
+            lambda v: select(low, trace, v, "aux", token, mb)
+            if hasattr(v, "trace") else v, aux))
+        dsk.update(low.dsk)
+        stage_of.update(low.stage_of)
+        lowered.append(low)
+    lnode = trace.nodes[loss.node]
+    loss_key = make_key("loss", lnode.name, lnode.index, token)
+    dsk[loss_key] = Task(loss_key, mean_task, *[TaskRef(k) for k in loss_keys])
+    stage_of[loss_key] = lnode.stage
+    priority = order_actions(dsk, lowered, trace, schedule, m)
+    return PipelineGraph(dsk, stage_of, priority, loss_key, dict(prev_grads), aux_keys, lowered)
+
+
+def order_actions(dsk: dict[str, Any], lowered: list[Lowered], trace: Any, schedule: Schedule,
+                  m: int) -> dict[str, int]:
+    """Add ordering edges so each worker runs its schedule's actions in order; return
+    per-key priorities (earlier action = higher priority)."""
+    stages = sorted({n.stage for n in trace.nodes if n.kind == "call"},
+                    key=lambda s: -1 if s is None else s)
+    if None in stages:
+        unstaged = sorted({n.name for n in trace.nodes if n.kind == "call" and n.stage is None})
+        raise PlacementError(
+            f"a pipeline schedule needs every layer on a stage; unstaged layers: "
+            f"{', '.join(unstaged)}. Use @dd.layer(stage=k), `with dd.stage(k):`, or "
+            "stages='auto'.")
+    v = schedule.virtual_stages
+    n_stages = max(stages) + 1
+    if n_stages % v:
+        raise PlacementError(
+            f"schedule {schedule.name!r} with {v} virtual stages per worker needs a number of "
+            f"stages divisible by {v}; the model has {n_stages}")
+    p = n_stages // v
+    tasks: dict[tuple[int, int, str], list[str]] = defaultdict(list)
+    for low in lowered:
+        for key in list(low.fwd_keys.values()) + [k for ks in low.bwd_keys.values() for k in ks]:
+            info = key_info(key)
+            tasks[(info.stage, info.microbatch, info.phase)].append(key)
+    priority: dict[str, int] = {}
+    for w, acts in enumerate(schedule.actions(p, m)):
+        prev_exit: list[str] = []
+        for pos, text in enumerate(acts):
+            kind, rest = text[0], text[1:]
+            mb_s, _, chunk_s = rest.partition(".")
+            stage = int(chunk_s or 0) * p + w
+            keys = tasks.get((stage, int(mb_s), kind), [])
+            if not keys:
+                continue
+            inside = set(keys)
+            entry = [k for k in keys if not (dsk[k].dependencies & inside)]
+            needed = {d for k in keys for d in dsk[k].dependencies}
+            exits = [k for k in keys if k not in needed]
+            for k in entry:
+                t = dsk[k]
+                extra = {f"after_{i}": TaskRef(e) for i, e in enumerate(prev_exit)
+                         if e not in t.dependencies}
+                if extra:
+                    dsk[k] = Task(k, t.func, *t.args, **t.kwargs, **extra)
+            for k in keys:
+                priority[k] = len(acts) - pos
+            prev_exit = exits
+    return priority
+
+
+def resolve_schedule(schedule: Any) -> Schedule:
+    return get_schedule(schedule if schedule is not None else "1f1b")
