@@ -12,6 +12,7 @@ from .errors import (
     PlacementError,
     TracerError,
 )
+from .inspect_ import record
 from .keys import KeyInfo, key_info
 from .layer import Layer, layer
 from .metrics import peak_live, remat_count, reset_peak_live, reset_remat_count
@@ -32,6 +33,7 @@ __all__ = [
     "stage",
     "local_cluster",
     "key_info",
+    "record",
     "KeyInfo",
     "Traced",
     "remat_count",

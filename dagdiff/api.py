@@ -137,7 +137,7 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
                    has_aux: bool = False, *, microbatches: int = 1, schedule: Any = None,
                    batch_argnums: Sequence[int] | None = None, batch_axis: int = 0,
                    stages: int | str | None = None,
-                   placement: Mapping[int, Any] | None = None, fuse: bool = False,
+                   placement: Mapping[int, Any] | None = None, fuse: bool | None = None,
                    resident: bool = True) -> Callable[..., Any]:
     """Like `jax.value_and_grad`, but returns Dask collections and runs nothing.
 
@@ -154,7 +154,8 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
     JAX device ``k mod n``. ``stages="auto"`` (or an int) splits an unstaged model into
     that many stages (auto: one per worker/device) balanced by XLA's cost estimate.
     ``fuse=True`` turns each run of consecutive calls on one stage into a single forward
-    and a single VJP task (one jitted function) - faster when layers are small.
+    and a single VJP task (one jitted function) - faster when layers are small. The
+    default (None) fuses pipelines (microbatches > 1 or a schedule) and nothing else.
 
     ``microbatches=m`` with ``schedule=`` ("gpipe", "1f1b", "interleaved", "zb-h1" or a
     `dd.Schedule`) runs a pipeline: the arguments in `batch_argnums` (default: every
@@ -172,7 +173,8 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
 
         sched = resolve_schedule(schedule)
         return _pipelined(fn, fname, argnums, has_aux, microbatches, sched, batch_argnums,
-                          batch_axis, stages, placement, fuse, resident)
+                          batch_axis, stages, placement, fuse is not False, resident)
+    fuse = bool(fuse)
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:

@@ -48,9 +48,12 @@ class Layer:
         return call_layer(self, args, kwargs)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "__wrapped__"}
+        state = {k: v for k, v in self.__dict__.items() if k != "__wrapped__"}
+        state["fn"] = _portable(self.fn)
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state["fn"] = _restore(state["fn"])
         self.__dict__.update(state)
         self.__dict__["__wrapped__"] = state["fn"]
 
@@ -85,3 +88,30 @@ def layer(
     if fn is None:
         return lambda f: Layer(f, name=name, remat=remat, stage=stage)
     return Layer(fn, name=name, remat=remat, stage=stage)
+
+
+def _portable(fn: Any) -> Any:
+    """`jax.custom_vjp`/`custom_jvp` objects do not unpickle; send their parts instead."""
+    import jax
+
+    if isinstance(fn, jax.custom_vjp):
+        return ("custom_vjp", fn.fun, fn.nondiff_argnums, fn.fwd, fn.bwd)
+    if isinstance(fn, jax.custom_jvp):
+        return ("custom_jvp", fn.fun, fn.nondiff_argnums, fn.jvp)
+    return fn
+
+
+def _restore(obj: Any) -> Any:
+    import jax
+
+    if isinstance(obj, tuple) and obj and obj[0] == "custom_vjp":
+        _, fun, nondiff, fwd, bwd = obj
+        new = jax.custom_vjp(fun, nondiff_argnums=nondiff)
+        new.defvjp(fwd, bwd)
+        return new
+    if isinstance(obj, tuple) and obj and obj[0] == "custom_jvp":
+        _, fun, nondiff, jvp = obj
+        new = jax.custom_jvp(fun, nondiff_argnums=nondiff)
+        new.defjvp(jvp)
+        return new
+    return obj

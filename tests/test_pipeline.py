@@ -55,11 +55,17 @@ def test_pipeline_equals_full_batch(schedule: str, n_stages: int, m: int) -> Non
 def test_zero_bubble_splits_backward_into_input_and_weight_grads() -> None:
     loss_fn = make_loss(4)
     params, x, t = data(4)
-    loss, _ = dd.value_and_grad(loss_fn, microbatches=4, schedule="zb-h1")(params, x, t)
+    loss, _ = dd.value_and_grad(loss_fn, microbatches=4, schedule="zb-h1",
+                                fuse=False)(params, x, t)
     phases = [dd.key_info(k).phase for k in loss.__dask_graph__()]
     assert "B" not in phases
     # dense layers on stages 1..3 need both; stage 0's input is data (no I); mse has no W
     assert phases.count("W") == 4 * 4 and phases.count("I") == 4 * (3 + 1)
+    loss, _ = dd.value_and_grad(loss_fn, microbatches=4, schedule="zb-h1")(params, x, t)
+    phases = [dd.key_info(k).phase for k in loss.__dask_graph__()]
+    # fused (the pipeline default): one I and one W task per stage and microbatch, but
+    # none for stage 0's input (data)
+    assert phases.count("W") == 4 * 4 and phases.count("I") == 4 * 3
 
 
 def test_bad_microbatch_split_names_the_argument() -> None:

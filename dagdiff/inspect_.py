@@ -1,0 +1,215 @@
+"""Seeing what ran where: `dd.record()` captures the tasks of a computation, `timeline`
+draws them as a pipeline diagram (one row per worker), `bubble_fraction` measures idle time.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, NamedTuple
+
+from .errors import KeyFormatError
+from .keys import key_info
+
+__all__ = ["TaskRecord", "Recording", "record", "BubbleFraction", "PHASE_COLORS"]
+
+#: colour per phase, shared by the timeline and the graph picture
+PHASE_COLORS = {
+    "F": "#4C9BE8", "B": "#E8804C", "I": "#F2B134", "W": "#7BC47F", "add": "#B39DDB",
+    "grad": "#9E9E9E", "acc": "#9E9E9E", "loss": "#D81B60", "split": "#CFD8DC",
+    "input": "#CFD8DC", "param": "#CFD8DC", "aux": "#F48FB1", "transfer": "#FFFFFF",
+    "other": "#E0E0E0",
+}
+_BUSY = {"F", "B", "I", "W"}
+
+
+class TaskRecord(NamedTuple):
+    """One executed task (or a transfer, phase 'transfer') on one worker."""
+
+    key: str
+    worker: str
+    start: float
+    stop: float
+    phase: str
+    layer: str | None
+    stage: int | None
+    microbatch: int | None
+
+
+class BubbleFraction(NamedTuple):
+    """Idle share of the recorded window: overall and per worker (0 = always busy)."""
+
+    overall: float
+    per_worker: dict[str, float]
+
+
+def _classify(key: Any) -> tuple[str, str | None, int | None, int | None]:
+    try:
+        info = key_info(key)
+    except (KeyFormatError, TypeError):
+        return "other", None, None, None
+    return info.phase, info.layer, info.stage, info.microbatch
+
+
+@dataclass
+class Recording:
+    """Tasks captured by `record`; times in seconds since the first task started."""
+
+    tasks: list[TaskRecord] = field(default_factory=list)
+    worker_names: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def workers(self) -> list[str]:
+        """Worker rows in a stable order (by slot/stage when known)."""
+        def order(w: str) -> tuple[int, str]:
+            name = self.worker_names.get(w, w)
+            digits = "".join(ch for ch in name if ch.isdigit())
+            return (int(digits) if digits else 1 << 30, name)
+        return sorted({t.worker for t in self.tasks}, key=order)
+
+    def compute_tasks(self) -> list[TaskRecord]:
+        return [t for t in self.tasks if t.phase != "transfer"]
+
+    def makespan(self) -> float:
+        ts = self.compute_tasks()
+        return max(t.stop for t in ts) - min(t.start for t in ts) if ts else 0.0
+
+    def bubble_fraction(self) -> BubbleFraction:
+        """Idle share of the step on each worker and overall: 1 - busy / window, where busy
+        is the time spent in forward/backward tasks (F, B, I, W) and the window runs from
+        the first to the last of them on any worker."""
+        busy = [t for t in self.tasks if t.phase in _BUSY]
+        if not busy:
+            return BubbleFraction(0.0, {})
+        t0 = min(t.start for t in busy)
+        t1 = max(t.stop for t in busy)
+        window = max(t1 - t0, 1e-12)
+        per: dict[str, float] = {}
+        for w in self.workers:
+            spans = sorted((t.start, t.stop) for t in busy if t.worker == w)
+            per[self.worker_names.get(w, w)] = 1.0 - _union(spans) / window
+        overall = sum(per.values()) / len(per) if per else 0.0
+        return BubbleFraction(overall, per)
+
+    def timeline(self, path: str | None = None, title: str | None = None,
+                 width: float = 12.0) -> Any:
+        """Draw a per-worker Gantt chart (F/B/I/W blocks with microbatch numbers,
+        transfers hatched); save to `path` if given. Returns the matplotlib Figure."""
+        import matplotlib
+
+        if path is not None:
+            matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
+
+        rows = self.workers
+        fig, ax = plt.subplots(figsize=(width, 0.6 * len(rows) + 1.4))
+        if not self.tasks:
+            ax.text(0.5, 0.5, "no tasks recorded", ha="center", va="center")
+        t0 = min((t.start for t in self.tasks), default=0.0)
+        seen = set()
+        for r, w in enumerate(rows):
+            for t in self.tasks:
+                if t.worker != w:
+                    continue
+                x, dx = t.start - t0, max(t.stop - t.start, 1e-6)
+                color = PHASE_COLORS.get(t.phase, PHASE_COLORS["other"])
+                hatch = "////" if t.phase == "transfer" else None
+                ax.broken_barh([(x, dx)], (r - 0.4, 0.8), facecolors=color, edgecolor="black",
+                               linewidth=0.3, hatch=hatch)
+                seen.add(t.phase)
+                if t.microbatch is not None and t.phase in _BUSY:
+                    ax.text(x + dx / 2, r, str(t.microbatch), ha="center", va="center",
+                            fontsize=7)
+        ax.set_yticks(range(len(rows)))
+        ax.set_yticklabels([self.worker_names.get(w, w) for w in rows])
+        ax.invert_yaxis()
+        ax.set_xlabel("time (s)")
+        bf = self.bubble_fraction()
+        ax.set_title(title or f"makespan {self.makespan():.3f} s, bubble {bf.overall:.1%}")
+        order = [p for p in ("F", "B", "I", "W", "add", "grad", "loss", "transfer", "other")
+                 if p in seen]
+        ax.legend(handles=[Patch(facecolor=PHASE_COLORS[p], edgecolor="black", label=p,
+                                 hatch="////" if p == "transfer" else None) for p in order],
+                  loc="upper right", fontsize=7, ncol=len(order))
+        fig.tight_layout()
+        if path is not None:
+            fig.savefig(path, dpi=110)
+            plt.close(fig)
+        return fig
+
+
+def _union(spans: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in spans:
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+@contextlib.contextmanager
+def record(client: Any = None) -> Iterator[Recording]:
+    """Capture every task computed inside the block.
+
+    With a distributed client (given, or the current one) it wraps
+    `distributed.get_task_stream` (workers named by their slot); otherwise it uses a
+    Dask local-scheduler callback (rows are the scheduler's threads). Collect results
+    inside the block (``dask.compute``, ``client.compute(...).result()``)."""
+    from .api import current_client
+
+    c = client if client is not None else current_client()
+    rec = Recording()
+    if c is not None:
+        from distributed import get_task_stream
+
+        from .cluster import slot_names
+
+        with get_task_stream(c) as ts:
+            yield rec
+        names = slot_names(c)
+        rec.worker_names = dict(names)
+        _from_stream(rec, ts.data)
+        return
+    from dask.callbacks import Callback
+
+    lock = threading.Lock()
+    starts: dict[Any, tuple[float, str]] = {}
+    raw: list[tuple[Any, str, float, float]] = []
+
+    def pretask(key: Any, dsk: Any, state: Any) -> None:
+        with lock:
+            starts[key] = (time.perf_counter(), threading.current_thread().name)
+
+    def posttask(key: Any, result: Any, dsk: Any, state: Any, worker_id: Any) -> None:
+        with lock:
+            t, th = starts.pop(key, (time.perf_counter(), "main"))
+            raw.append((key, th, t, time.perf_counter()))
+
+    with Callback(pretask=pretask, posttask=posttask):
+        yield rec
+    threads = sorted({th for _, th, _, _ in raw})
+    rec.worker_names = {th: f"thread{i}" for i, th in enumerate(threads)}
+    base = min((t for _, _, t, _ in raw), default=0.0)
+    for key, th, t, u in raw:
+        rec.tasks.append(TaskRecord(str(key), th, t - base, u - base, *_classify(key)))
+
+
+def _from_stream(rec: Recording, data: list[dict[str, Any]]) -> None:
+    rows = []
+    for d in data:
+        for ss in d.get("startstops", ()):
+            action = ss.get("action")
+            if action == "compute":
+                rows.append((d["key"], d["worker"], ss["start"], ss["stop"],
+                             *_classify(d["key"])))
+            elif action == "transfer":
+                rows.append((d["key"], d["worker"], ss["start"], ss["stop"], "transfer",
+                             None, None, None))
+    if not rows:
+        return
+    base = min(r[2] for r in rows)
+    for key, w, a, b, *info in rows:
+        rec.tasks.append(TaskRecord(str(key), w, a - base, b - base, *info))

@@ -1,0 +1,83 @@
+"""Sleep-based stand-in stages for measuring schedules: forward, input-gradient and
+weight-gradient each sleep a fixed time (sleeping frees the CPU, so many workers fit on
+a small machine). Used by the pipeline benchmark, the inspection tests and notebooks."""
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import placement
+from .layer import Layer, layer
+
+__all__ = ["sleepy_stage", "sleepy_pipeline"]
+
+
+def _sleep_then(dt: float, x: np.ndarray) -> np.ndarray:
+    time.sleep(dt)
+    return np.asarray(x)
+
+
+def _slow(dt: float, x: Any) -> Any:
+    if dt <= 0:
+        return x
+    return jax.pure_callback(functools.partial(_sleep_then, dt),
+                             jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+
+def sleepy_stage(f: float, i: float, w: float, name: str = "sleepy") -> Layer:
+    """A layer ``y = w * x`` whose forward sleeps `f` s, input-gradient `i` s and
+    weight-gradient `w` s (a B task, needing both, sleeps i + w)."""
+
+    def apply(p: Any, x: Any) -> Any:
+        return _sleepy_op(f, i, w)(p, x)
+
+    return layer(apply, name=name)
+
+
+def _sleepy_op(f: float, i: float, w: float) -> Any:
+    @jax.custom_vjp
+    def op(p: Any, x: Any) -> Any:
+        return _slow(f, x) * p
+
+    def fwd(p: Any, x: Any) -> Any:
+        return _slow(f, x) * p, (p, x)
+
+    def bwd(res: Any, ct: Any) -> Any:
+        p, x = res
+        dx = _slow(i, ct * p)
+        dp = jnp.sum(_slow(w, ct * x))
+        return dp, dx
+
+    op.defvjp(fwd, bwd)
+    return op
+
+
+@layer(name="loss")
+def _mean_sq(y: Any) -> Any:
+    return jnp.mean(y * y)
+
+
+def sleepy_pipeline(p: int, f: float, i: float | None = None, w: float | None = None,
+                    chunks: int = 1) -> Callable[..., Any]:
+    """A loss function of `p * chunks` sleepy stages (stage k in ``dd.stage(k)``): for
+    interleaved schedules use chunks = virtual stages; each chunk sleeps f/chunks etc."""
+    i = f if i is None else i
+    w = f if w is None else w
+    n = p * chunks
+    stages = [sleepy_stage(f / chunks, i / chunks, w / chunks, name=f"stage{k}")
+              for k in range(n)]
+
+    def loss_fn(params: Any, x: Any) -> Any:
+        h = x
+        for k in range(n):
+            with placement.stage(k):
+                h = stages[k](params[k], h)
+        with placement.stage(n - 1):
+            return _mean_sq(h)
+
+    return loss_fn
