@@ -20,6 +20,7 @@ from .placement import stage
 from .schedules import Schedule, ScheduleError, get_schedule
 from .serialize import register as _register_serializers
 from .tracer import Traced
+from .train import Trainer, TrainState, load, save
 
 _register_serializers()
 
@@ -36,6 +37,10 @@ __all__ = [
     "record",
     "KeyInfo",
     "Traced",
+    "Trainer",
+    "TrainState",
+    "save",
+    "load",
     "remat_count",
     "reset_remat_count",
     "peak_live",

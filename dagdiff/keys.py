@@ -30,6 +30,9 @@ PHASES: dict[str, str] = {
     "aux": "aux",
     "split": "split",
     "order": "order",
+    "update": "update",
+    "reduce": "reduce",
+    "state": "state",
 }
 _PREFIX = {v: k for k, v in PHASES.items()}
 

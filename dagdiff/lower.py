@@ -87,7 +87,7 @@ def lower(
     low = Lowered()
     inputs = inputs or {}
     dev = (devices or {}).get
-    refs: dict[int, tuple[Any, int]] = {}
+    refs: dict[int, tuple[Any, int | None]] = {}
 
     has_vjp = {op.node for op in plan.ops if isinstance(op, Vjp)} if plan is not None else set()
     for node in trace.nodes:
@@ -107,7 +107,7 @@ def lower(
         low.add(key, Task(key, fwd_task, node.spec, srcs, dev(node.stage), *vals,
                           tag=(node.stage, microbatch), vjp=node.index in has_vjp), node.stage)
         low.fwd_keys[node.index] = key
-        refs[node.index] = (TaskRef(key), 0)
+        refs[node.index] = (TaskRef(key), None)   # None: take the traced leaf of the result
     if plan is None:
         return low
 
@@ -135,9 +135,9 @@ def _args(node: Node, refs: dict[int, tuple[Any, int]]) -> tuple[tuple[int, ...]
         if kind != "d":
             continue
         if isinstance(leaf, Traced):
-            ref, base = refs[leaf.node]
+            ref, src = refs[leaf.node]
             vals.append(ref)
-            srcs.append(leaf.leaf if base >= 0 else base)
+            srcs.append(leaf.leaf if src is None else src)
         else:
             vals.append(leaf)
             srcs.append(-1)

@@ -60,11 +60,14 @@ class PipelineGraph:
     lowered: list[Lowered]
 
 
-def lower_pipeline(trace: Any, plan: Any, token: str, m: int, schedule: Schedule,
+def lower_pipeline(trace: Any, plan: Any, token: str, m: int, schedule: Schedule | None,
                    full_values: Mapping[int, Any], axis: int, resident: Mapping[int, Any],
                    home: Mapping[int, int | None], loss: Any, aux: Any,
-                   devices: dict[int | None, int | None] | None) -> PipelineGraph:
-    """Lower `trace` for `m` microbatches, ordered per worker by `schedule`."""
+                   devices: dict[int | None, int | None] | None,
+                   stage_offset: int = 0) -> PipelineGraph:
+    """Lower `trace` for `m` microbatches, ordered per worker by `schedule` (None: no
+    ordering beyond the data dependencies). `full_values` values may be arrays or
+    (key or Future, leaf) references to data already in the graph / on the cluster."""
     from .lower import lower, select
 
     dsk: dict[str, Any] = {}
@@ -74,13 +77,18 @@ def lower_pipeline(trace: Any, plan: Any, token: str, m: int, schedule: Schedule
     splits: dict[int, list[str]] = {}
     for idx, value in full_values.items():
         node = trace.nodes[idx]
-        full = make_key("input", node.path or "x", idx, token)
-        dsk[full] = DataNode(full, value)
-        stage_of[full] = home.get(idx)
+        if isinstance(value, tuple):       # a reference: (key or Future, leaf)
+            ref, src = value
+            full_ref: Any = TaskRef(ref) if isinstance(ref, str) else ref
+        else:
+            full = make_key("input", node.path or "x", idx, token)
+            dsk[full] = DataNode(full, value)
+            stage_of[full] = home.get(idx)
+            full_ref, src = TaskRef(full), -1
         splits[idx] = []
         for mb in range(m):
             k = make_key("split", node.path or "x", idx, token, None, mb)
-            dsk[k] = Task(k, slice_task, axis, mb, m, TaskRef(full))
+            dsk[k] = Task(k, slice_task, axis, mb, m, full_ref, src)
             stage_of[k] = home.get(idx)
             splits[idx].append(k)
     lowered: list[Lowered] = []
@@ -90,7 +98,7 @@ def lower_pipeline(trace: Any, plan: Any, token: str, m: int, schedule: Schedule
         inputs = dict(shared)
         inputs.update({idx: (keys[mb], -1) for idx, keys in splits.items()})
         low = lower(trace, plan, token, microbatch=mb, inputs=inputs, seed_scale=1.0 / m,
-                    split_backward=schedule.split_backward, devices=devices)
+                    split_backward=bool(schedule and schedule.split_backward), devices=devices)
         if mb == 0:  # params and other unsplit inputs: one data node for all microbatches
             for idx, key in low.data_keys.items():
                 shared[idx] = (key, -1)
@@ -114,14 +122,16 @@ def lower_pipeline(trace: Any, plan: Any, token: str, m: int, schedule: Schedule
     loss_key = make_key("loss", lnode.name, lnode.index, token)
     dsk[loss_key] = Task(loss_key, mean_task, *[TaskRef(k) for k in loss_keys])
     stage_of[loss_key] = lnode.stage
-    priority = order_actions(dsk, lowered, trace, schedule, m)
+    priority = (order_actions(dsk, lowered, trace, schedule, m, stage_offset)
+                if schedule is not None else {})
     return PipelineGraph(dsk, stage_of, priority, loss_key, dict(prev_grads), aux_keys, lowered)
 
 
 def order_actions(dsk: dict[str, Any], lowered: list[Lowered], trace: Any, schedule: Schedule,
-                  m: int) -> dict[str, int]:
+                  m: int, stage_offset: int = 0) -> dict[str, int]:
     """Add ordering edges so each worker runs its schedule's actions in order; return
-    per-key priorities (earlier action = higher priority)."""
+    per-key priorities (earlier action = higher priority). Stages of the trace start at
+    `stage_offset` (a data-parallel replica's pipeline)."""
     stages = sorted({n.stage for n in trace.nodes if n.kind == "call"},
                     key=lambda s: -1 if s is None else s)
     if None in stages:
@@ -131,7 +141,7 @@ def order_actions(dsk: dict[str, Any], lowered: list[Lowered], trace: Any, sched
             f"{', '.join(unstaged)}. Use @dd.layer(stage=k), `with dd.stage(k):`, or "
             "stages='auto'.")
     v = schedule.virtual_stages
-    n_stages = max(stages) + 1
+    n_stages = max(stages) + 1 - stage_offset
     if n_stages % v:
         raise PlacementError(
             f"schedule {schedule.name!r} with {v} virtual stages per worker needs a number of "
@@ -148,7 +158,7 @@ def order_actions(dsk: dict[str, Any], lowered: list[Lowered], trace: Any, sched
         for pos, text in enumerate(acts):
             kind, rest = text[0], text[1:]
             mb_s, _, chunk_s = rest.partition(".")
-            stage = int(chunk_s or 0) * p + w
+            stage = stage_offset + int(chunk_s or 0) * p + w
             keys = tasks.get((stage, int(mb_s), kind), [])
             if not keys:
                 continue

@@ -341,8 +341,9 @@ def sum_task(srcs: tuple[int, ...], zeros: Any, dev: int | None, *vals: Any,
     return total
 
 
-def slice_task(axis: int, mb: int, m: int, value: Any) -> Any:
-    """Microbatch `mb` of `m` equal parts of `value` along `axis`."""
+def slice_task(axis: int, mb: int, m: int, value: Any, src: int = -1) -> Any:
+    """Microbatch `mb` of `m` equal parts of `value` (leaf `src` of it) along `axis`."""
+    value = _take(value, src)
     size = value.shape[axis] // m
     index = [slice(None)] * value.ndim
     index[axis] = slice(mb * size, (mb + 1) * size)
