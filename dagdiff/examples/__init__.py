@@ -1,0 +1,1 @@
+"""Example models built with dagdiff (used by the demo, tests and notebooks)."""
