@@ -1,0 +1,188 @@
+"""Training: Trainer vs plain JAX + optax, replicas, no param traffic to the client,
+checkpoints with exact resume, the multimodal example, the main command."""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import dagdiff as dd
+from tests import models as M
+
+KEY = jax.random.PRNGKey(11)
+
+
+def loss_fn(params: Any, x: Any, t: Any) -> Any:
+    h = x
+    for s in range(2):
+        with dd.stage(s):
+            h = M.dense(params[s], h)
+    with dd.stage(1):
+        return M.mse(h, t)
+
+
+def setup(n_batches: int = 3) -> tuple[Any, list[Any]]:
+    params = M.init_dense(KEY, [6, 8, 4])
+    batches = [(jax.random.normal(jax.random.fold_in(KEY, i), (16, 6)),
+                jax.random.normal(jax.random.fold_in(KEY, 100 + i), (16, 4)))
+               for i in range(n_batches)]
+    return params, batches
+
+
+def reference(params: Any, batches: list[Any], opt: Any) -> tuple[Any, list[float]]:
+    state = opt.init(params)
+    losses = []
+
+    @jax.jit
+    def step(p: Any, s: Any, x: Any, t: Any) -> Any:
+        loss, g = jax.value_and_grad(loss_fn)(p, x, t)
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s, loss
+
+    for x, t in batches:
+        params, state, loss = step(params, state, x, t)
+        losses.append(float(loss))
+    return params, losses
+
+
+def close(a: Any, b: Any, rtol: float = 1e-5) -> None:
+    for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=rtol, atol=1e-6)
+
+
+def test_trainer_local_matches_optax() -> None:
+    params, batches = setup()
+    opt = optax.adam(1e-2)
+    want, want_losses = reference(params, batches, opt)
+    trainer = dd.Trainer(loss_fn, opt, microbatches=4, schedule="1f1b")
+    state, losses = trainer.fit(batches, params=params, progress=False)
+    close(trainer.params(state), want)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("schedule,replicas", [("1f1b", 1), ("gpipe", 1), ("1f1b", 2),
+                                               ("gpipe", 2)])
+def test_trainer_on_cluster_matches_optax(client4: Any, schedule: str, replicas: int) -> None:
+    params, batches = setup()
+    opt = optax.adam(1e-2)
+    want, want_losses = reference(params, batches, opt)
+    trainer = dd.Trainer(loss_fn, opt, microbatches=2, schedule=schedule, replicas=replicas,
+                         client=client4)
+    state = trainer.init(params, *batches[0])         # placed on the stage workers now
+    losses = []
+    for x, t in batches:
+        state, loss = trainer.step(state, x, t)        # submitted ahead, not awaited
+        losses.append(loss)
+    assert all(hasattr(x, "result") for x in losses)
+    np.testing.assert_allclose([x.result() for x in losses], want_losses, rtol=1e-5)
+    close(trainer.params(state), want)
+
+
+@pytest.mark.distributed
+def test_params_and_opt_state_stay_on_workers(client2: Any, monkeypatch: Any) -> None:
+    params, batches = setup(4)
+    trainer = dd.Trainer(loss_fn, optax.sgd(0.1), microbatches=2, schedule="1f1b",
+                         client=client2)
+    gathered: list[Any] = []
+    real = client2._gather        # every gather (Future.result too) goes through it
+
+    def spy(futures: Any, *a: Any, **k: Any) -> Any:
+        gathered.extend(f.key for f in jax.tree_util.tree_leaves(futures) if hasattr(f, "key"))
+        return real(futures, *a, **k)
+
+    monkeypatch.setattr(client2, "_gather", spy)
+    state = trainer.init(params)
+    for x, t in batches:
+        state, loss = trainer.step(state, x, t)
+        float(loss.result())
+    assert gathered and all(dd.key_info(k).phase == "loss" for k in gathered), gathered
+    # each (replica, stage) state is one Future held on its stage's worker
+    who = client2.who_has(list(state.placed.values()))
+    slots = dd.cluster.slot_names(client2)
+    for (r, g), fut in state.placed.items():
+        (addr,) = who[fut.key]
+        assert slots[addr] == f"slot{g}"
+
+
+def test_checkpoint_round_trip_and_exact_resume(tmp_path: Any) -> None:
+    params, batches = setup(6)
+    opt = optax.adam(1e-2)
+    trainer = dd.Trainer(loss_fn, opt, microbatches=2, schedule="gpipe")
+    full, _ = trainer.fit(batches, params=params, progress=False)
+    t2 = dd.Trainer(loss_fn, opt, microbatches=2, schedule="gpipe")
+    half, _ = t2.fit(batches[:3], params=params, progress=False)
+    dd.save(str(tmp_path / "ckpt"), half, trainer=t2)
+    restored = dd.load(str(tmp_path / "ckpt"))
+    assert restored.step == 3
+    close(restored.params, jax.tree_util.tree_leaves(t2.params(half)), rtol=0)
+    t3 = dd.Trainer(loss_fn, opt, microbatches=2, schedule="gpipe")
+    t3.init(params)                                   # the model's structure
+    resumed, _ = t3.fit(batches[3:], state=restored, progress=False)
+    assert resumed.step == 6
+    close(t3.params(resumed), trainer.params(full), rtol=0)
+
+
+def test_multimodal_grads_equal_jax_grad() -> None:
+    import dask
+
+    from dagdiff.examples import multimodal as mm
+
+    params = mm.init_params(KEY)
+    tokens, images = mm.make_batch(KEY)
+    loss, grads = dd.value_and_grad(mm.clip_loss_fn)(params, tokens, images)
+    stages = {dd.key_info(k).stage for k in loss.__dask_graph__() if dd.key_info(k).phase == "F"}
+    assert stages == {0, 1, 2}
+    got_l, got_g = dask.compute(loss, grads, scheduler="threads")
+    want_l, want_g = jax.value_and_grad(mm.clip_loss_fn)(params, tokens, images)
+    np.testing.assert_allclose(got_l, want_l, rtol=1e-5)
+    close(got_g, want_g)
+
+
+@pytest.mark.distributed
+def test_multimodal_data_parallel_training(client4: Any) -> None:
+    """Two data-parallel groups (text worker + two vision workers each, 6 stage slots on 4
+    workers) with gradient all-reduce equal one process training on the mean of the
+    groups' losses."""
+    from dagdiff.examples import multimodal as mm
+
+    params = mm.init_params(KEY)
+    batches = [mm.make_batch(jax.random.fold_in(KEY, i), n=16) for i in range(2)]
+    opt = optax.adam(1e-2)
+
+    def two_group_loss(p: Any, tokens: Any, images: Any) -> Any:
+        return (mm.clip_loss_fn(p, tokens[:8], images[:8]) +
+                mm.clip_loss_fn(p, tokens[8:], images[8:])) / 2
+
+    p, s = params, opt.init(params)
+    for tok, img in batches:
+        g = jax.grad(two_group_loss)(p, tok, img)
+        u, s = opt.update(g, s, p)
+        p = optax.apply_updates(p, u)
+    trainer = dd.Trainer(mm.clip_loss_fn, opt, replicas=2, client=client4)
+    state = trainer.init(params)
+    for tok, img in batches:
+        state, loss = trainer.step(state, tok, img)
+    close(trainer.params(state), p, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_main_command_runs(tmp_path: Any) -> None:
+    import subprocess
+    import sys
+
+    png = tmp_path / "step.png"
+    out = subprocess.run(
+        [sys.executable, "-m", "dagdiff", "demo", "--steps", "4", "--no-progress",
+         "--dashboard", "", "--timeline", str(png)],
+        capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "test accuracy" in out.stdout and png.exists()
+    bad = subprocess.run([sys.executable, "-m", "dagdiff", "demo", "--batch", "100"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "multiple of" in bad.stderr
+    assert "Traceback" not in bad.stderr
