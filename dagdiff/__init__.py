@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from .api import grad, value_and_grad
 from .cluster import local_cluster
+from .custom import CustomLayer, custom_layer
 from .errors import (
     DagdiffError,
     KeyFormatError,
@@ -24,11 +25,16 @@ from .train import Trainer, TrainState, load, save
 
 _register_serializers()
 
+from . import kernels  # noqa: E402  (dd.kernels.bias_gelu etc.; needs the names above)
+
 __version__ = "0.1.0"
 
 __all__ = [
     "layer",
     "Layer",
+    "custom_layer",
+    "CustomLayer",
+    "kernels",
     "value_and_grad",
     "grad",
     "stage",

@@ -191,20 +191,21 @@ class FwdResult:
     and a VJP task that receives a copy rebuilds the pullback from its primals.
     """
 
-    __slots__ = ("out", "pullback", "moved", "tag")
+    __slots__ = ("out", "pullback", "moved", "tag", "res")
 
     def __init__(self, out: list[Any], pullback: Any, moved: bool = False,
-                 tag: tuple[Any, Any] | None = None) -> None:
+                 tag: tuple[Any, Any] | None = None, res: Any = None) -> None:
         self.out = out
         self.pullback = pullback
         self.moved = moved
         self.tag = tag
+        self.res = res          # residuals of a custom rule: plain arrays, they travel
 
     def __reduce__(self) -> Any:
-        return (_arrived, (self.out,))
+        return (_arrived, (self.out, self.res))
 
     def nbytes(self) -> int:
-        leaves = jax.tree_util.tree_leaves((self.out, self.pullback))
+        leaves = jax.tree_util.tree_leaves((self.out, self.pullback, self.res))
         return int(sum(getattr(x, "nbytes", 0) for x in leaves))
 
     def __repr__(self) -> str:
@@ -212,8 +213,8 @@ class FwdResult:
         return f"FwdResult({len(self.out)} outputs, {state})"
 
 
-def _arrived(out: list[Any]) -> FwdResult:
-    return FwdResult(out, None, moved=True)
+def _arrived(out: list[Any], res: Any = None) -> FwdResult:
+    return FwdResult(out, None, moved=True, res=res)
 
 
 def _take(value: Any, src: int) -> Any:
@@ -284,6 +285,8 @@ def fwd_task(spec: CallSpec, srcs: tuple[int, ...], dev: int | None, *vals: Any,
     microbatch) for the live-pullback count. `vjp=False`: no VJP task will ask for a
     pullback (the call does not reach the loss). `after`: ordering-only dependencies.
     """
+    if getattr(spec.layer, "custom", False):
+        return _custom_fwd(spec, srcs, vals, _device(dev), tag)
     c = _compiled(spec)
     d, nd = _split(spec, srcs, vals, _device(dev))
     if spec.remat or not d or not vjp:
@@ -302,6 +305,8 @@ def vjp_task(spec: CallSpec, srcs: tuple[int, ...], wrt: tuple[int, ...],
     by the primal inputs, which are only read to rebuild a pullback that moved.
     `release`: this is the call's last backward task, so its pullback is dropped after.
     """
+    if getattr(spec.layer, "custom", False):
+        return _custom_vjp(spec, srcs, wrt, ct_srcs, dev, fwd, vals)
     out = jax.block_until_ready(_vjp(spec, srcs, wrt, ct_srcs, dev, fwd, vals))
     if release and fwd.pullback is not None:
         fwd.pullback = None
@@ -325,6 +330,40 @@ def _vjp(spec: CallSpec, srcs: tuple[int, ...], wrt: tuple[int, ...],
             _COUNTS["remat"] += 1
     d, nd = _split(spec, srcs, vals[n_ct:], device)
     return c.remat_bwd(d, nd, cts, wrt)
+
+
+def _dyn_args(spec: CallSpec, srcs: tuple[int, ...], vals: Sequence[Any],
+              device: Any) -> list[Any]:
+    return [_put(_take(v, s), device) for s, v in zip(srcs, vals)]
+
+
+def _call_rule(spec: CallSpec, rule: Any, dyn: Sequence[Any], *extra: Any) -> Any:
+    it = iter(dyn)
+    leaves = [next(it) if k == "d" else s for k, s in zip(spec.kinds, spec.statics)]
+    args, kwargs = jax.tree_util.tree_unflatten(spec.in_treedef, leaves)
+    return rule(*extra, *args, **kwargs)
+
+
+def _custom_fwd(spec: CallSpec, srcs: tuple[int, ...], vals: Sequence[Any], device: Any,
+                tag: Any) -> FwdResult:
+    out, res = _call_rule(spec, spec.layer.fwd_rule, _dyn_args(spec, srcs, vals, device))
+    return FwdResult(jax.tree_util.tree_leaves(out), None, tag=tag, res=res)
+
+
+def _custom_vjp(spec: CallSpec, srcs: tuple[int, ...], wrt: tuple[int, ...],
+                ct_srcs: tuple[int | None, ...], dev: int | None, fwd: FwdResult,
+                vals: Sequence[Any]) -> tuple[Any, ...]:
+    from .custom import check_cotangents
+
+    n_ct = sum(s is not None for s in ct_srcs)
+    it = iter(vals[:n_ct])
+    cts = []
+    for s, a in zip(ct_srcs, spec.out_avals):
+        cts.append(np.zeros(a.shape, a.dtype) if s is None else _take(next(it), s))
+    ct = cts[0] if len(cts) == 1 else tuple(cts)
+    primals = _dyn_args(spec, srcs, vals[n_ct:], _device(dev))
+    got = check_cotangents(spec.layer, spec.layer.bwd_rule(fwd.res, ct), primals, spec.diff)
+    return tuple(got[i] for i in wrt)
 
 
 def sum_task(srcs: tuple[int, ...], zeros: Any, dev: int | None, *vals: Any,

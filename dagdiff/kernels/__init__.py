@@ -360,3 +360,20 @@ KERNELS: dict[str, KernelSpec] = {
     "softmax_cross_entropy": _spec("softmax_cross_entropy", reference.softmax_cross_entropy_ref),
     "layer_norm": _spec("layer_norm", reference.layer_norm_ref),
 }
+
+
+# --- the kernels as dagdiff layers -------------------------------------------------------
+from ..custom import CustomLayer, custom_layer  # noqa: E402
+
+#: tanh-approximate GELU of ``x + b``; ``dd.kernels.bias_gelu(x, b)``
+bias_gelu: CustomLayer = custom_layer(KERNELS["bias_gelu"].fwd, KERNELS["bias_gelu"].bwd,
+                                      name="bias_gelu", jax_fn=bias_gelu_jax)
+#: mean softmax cross-entropy of logits [n, V] with integer labels [n]
+softmax_cross_entropy: CustomLayer = custom_layer(
+    KERNELS["softmax_cross_entropy"].fwd, KERNELS["softmax_cross_entropy"].bwd,
+    name="softmax_cross_entropy", jax_fn=softmax_cross_entropy_jax)
+#: layer norm over the last axis; ``dd.kernels.layer_norm(x, gamma, beta, eps=1e-5)``
+layer_norm: CustomLayer = custom_layer(KERNELS["layer_norm"].fwd, KERNELS["layer_norm"].bwd,
+                                       name="layer_norm", jax_fn=layer_norm_jax)
+
+__all__ += ["bias_gelu", "softmax_cross_entropy", "layer_norm"]
