@@ -13,6 +13,7 @@ from .errors import (
     PlacementError,
     TracerError,
 )
+from .graph import TracedGraph, trace
 from .inspect_ import record
 from .keys import KeyInfo, key_info
 from .layer import Layer, layer
@@ -41,6 +42,8 @@ __all__ = [
     "local_cluster",
     "key_info",
     "record",
+    "trace",
+    "TracedGraph",
     "KeyInfo",
     "Traced",
     "Trainer",

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from contextvars import ContextVar
 import sys
 from typing import Any, Callable, Mapping, Sequence
 
@@ -121,6 +122,16 @@ def to_delayed(graph: Any, token: str, keys: Any) -> Any:
     return jax.tree_util.tree_map(wrap, keys, is_leaf=lambda x: x is None)
 
 
+_CAPTURE: "ContextVar[list[Any] | None]" = ContextVar("dagdiff_capture", default=None)
+
+
+def _capture(**info: Any) -> None:
+    """Hand the pieces of a build to `dd.trace` (when it is listening)."""
+    sink = _CAPTURE.get()
+    if sink is not None:
+        sink.append(info)
+
+
 def current_client() -> Any:
     """The active distributed client (``Client.as_current()`` or the default), or None."""
     if "distributed" not in sys.modules:
@@ -200,6 +211,8 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
         graph = build_graph(low.dsk, low.stage_of, targets, token)
         lk, ak, gk = to_delayed(graph, token, keys)
         grads = gk[0] if isinstance(argnums, int) else tuple(gk)
+        _capture(trace=trace, targets=targets, graph=graph, loss=lk, microbatches=1,
+                 schedule=None)
         return ((lk, ak) if has_aux else lk), grads
 
     return wrapped
@@ -250,6 +263,8 @@ def _pipelined(fn: Callable[..., Any], fname: str, argnums: Any, has_aux: bool, 
         graph = build_graph(pg.dsk, pg.stage_of, targets, token, pg.priority)
         lk, ak, gk = to_delayed(graph, token, keys)
         grads = gk[0] if isinstance(argnums, int) else tuple(gk)
+        _capture(trace=trace, targets=targets, graph=graph, loss=lk, microbatches=m,
+                 schedule=sched)
         return ((lk, ak) if has_aux else lk), grads
 
     return wrapped

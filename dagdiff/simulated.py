@@ -62,6 +62,13 @@ def _mean_sq(y: Any) -> Any:
     return jnp.mean(y * y)
 
 
+@layer(name="scale_in")
+def _scale_in(s: Any, x: Any) -> Any:
+    """Makes stage 0's input depend on a parameter, so stage 0 has an input gradient to
+    compute (and sleep for) like every other stage."""
+    return x * s
+
+
 def sleepy_pipeline(p: int, f: float, i: float | None = None, w: float | None = None,
                     chunks: int = 1) -> Callable[..., Any]:
     """A loss function of `p * chunks` sleepy stages (stage k in ``dd.stage(k)``): for
@@ -73,7 +80,8 @@ def sleepy_pipeline(p: int, f: float, i: float | None = None, w: float | None = 
               for k in range(n)]
 
     def loss_fn(params: Any, x: Any) -> Any:
-        h = x
+        with placement.stage(0):
+            h = _scale_in(params[0], x)
         for k in range(n):
             with placement.stage(k):
                 h = stages[k](params[k], h)

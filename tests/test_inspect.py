@@ -1,0 +1,105 @@
+"""Inspection: HTML table, graphviz source, timeline PNG, measured bubble vs formula,
+and the notebooks (executed with small sizes)."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import dagdiff as dd
+from dagdiff.inspect_ import PHASE_COLORS
+from tests.test_pipeline import data, make_loss
+
+
+def test_html_repr_lists_layers_stages_shapes_params_tasks() -> None:
+    params, x, t = data(4)
+    g = dd.trace(make_loss(4), microbatches=4, schedule="1f1b", fuse=False)(params, x, t)
+    html = g._repr_html_()
+    for text in ("<table", "layer", "stage", "worker/device", "dense", "mse", "f32[4,8]",
+                 "F:4", "B:4", "4 microbatches", "1f1b"):
+        assert text in html, text
+    rows = g.rows()
+    assert [r["stage"] for r in rows] == [0, 1, 2, 3, 3]
+    assert rows[0]["params"] == 8 * 8 + 8
+    assert isinstance(g.loss, dask_delayed())
+
+
+def dask_delayed() -> Any:
+    from dask.delayed import Delayed
+
+    return Delayed
+
+
+def test_graphviz_source_counts_and_colours() -> None:
+    params, x, t = data(2)
+    g = dd.trace(make_loss(2), fuse=False)(params, x, t)
+    src = g.to_graphviz().source
+    phases = g.tasks_by_phase()
+    assert phases["F"] == 3 and phases["B"] == 3
+    assert src.count(f'fillcolor="{PHASE_COLORS["F"]}"') == phases["F"]
+    assert src.count(f'fillcolor="{PHASE_COLORS["B"]}"') == phases["B"]
+    assert "cluster_s0" in src and "cluster_s1" in src
+    n_edges = sum(len(task.dependencies) for task in g.dsk.values())
+    assert src.count("->") == n_edges
+
+
+def test_timeline_png_rows_and_blocks(tmp_path: Any) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import dask
+
+    params, x, t = data(2)
+    loss, grads = dd.value_and_grad(make_loss(2), microbatches=2, schedule="1f1b")(params, x, t)
+    with dd.record() as rec:
+        dask.compute(loss, grads, scheduler="sync")
+    fig = rec.timeline(str(tmp_path / "t.png"))
+    assert (tmp_path / "t.png").stat().st_size > 1000
+    ax = fig.axes[0]
+    assert len(ax.get_yticks()) == len(rec.workers) == 1          # sync: one thread
+    busy = [r for r in rec.tasks if r.phase in ("F", "B")]
+    assert len(busy) == 2 * 2 * 2                                 # 2 stages x 2 mb x F/B
+    labels = [tx.get_text() for tx in ax.texts]
+    assert labels.count("0") >= 4 and labels.count("1") >= 4       # microbatch numbers
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_measured_bubble_matches_formula(client4: Any) -> None:
+    from dagdiff.schedules import bubble_formula
+    from dagdiff.simulated import sleepy_pipeline
+
+    p, m, f = 4, 4, 0.15
+    fn = sleepy_pipeline(p, f)
+    params = [jnp.float32(1.0)] * p
+    with client4.as_current():
+        for i in range(2):                        # the first run compiles
+            loss, grads = dd.value_and_grad(fn, microbatches=m, schedule="1f1b")(
+                params, jnp.ones((m, 2)) * (i + 1))
+            with dd.record() as rec:
+                client4.compute([loss, grads], sync=True)
+    measured = rec.bubble_fraction()
+    formula = bubble_formula("1f1b", p, m)
+    assert len(measured.per_worker) == p
+    assert abs(measured.overall - formula) <= 0.1 * formula, (measured, formula)
+
+
+NOTEBOOKS = sorted(os.listdir(os.path.join(os.path.dirname(__file__), "..", "notebooks")))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in NOTEBOOKS if n.endswith(".ipynb")])
+def test_notebook_runs(name: str, tmp_path: Any, monkeypatch: Any) -> None:
+    import nbformat
+    from nbclient import NotebookClient
+
+    path = os.path.join(os.path.dirname(__file__), "..", "notebooks", name)
+    nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:                          # committed without outputs
+        assert not cell.get("outputs"), f"{name}: commit notebooks with outputs stripped"
+    monkeypatch.setenv("DAGDIFF_SMALL", "1")
+    NotebookClient(nb, timeout=600, kernel_name="python3",
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
