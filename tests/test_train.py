@@ -102,9 +102,8 @@ def test_params_and_opt_state_stay_on_workers(client2: Any, monkeypatch: Any) ->
         float(loss.result())
     assert gathered and all(dd.key_info(k).phase == "loss" for k in gathered), gathered
     # each (replica, stage) state is one Future held on its stage's worker
-    from distributed import wait
 
-    wait(list(state.placed.values()))          # the last update may still be running
+    client2.gather(list(state.placed.values()))   # wait: the last update may still run
     who = client2.who_has(list(state.placed.values()))
     slots = dd.cluster.slot_names(client2)
     for (r, g), fut in state.placed.items():
