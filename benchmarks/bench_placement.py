@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from distributed import Client
+from distributed import Client, wait
 
 import dagdiff as dd
 
@@ -84,6 +84,7 @@ def main() -> None:
                         # grads stay on the workers (as in training); only the loss returns
                         loss, grads = vg(params, xs[i], t)
                         futs = client.persist([loss, *jax.tree_util.tree_leaves(grads)])
+                        wait(futs)                  # forward and backward done
                         return futs[0].result()
                     dt = timed(step, a.repeat)
                 rows.append((f"{label}{', fused' if fuse else ''}", dt, ntasks))
