@@ -47,6 +47,7 @@ class ColocateVJP(SchedulerPlugin):
         self.scheduler = scheduler
         for addr in list(getattr(scheduler, "stream_comms", {})):
             self.add_worker(scheduler, addr)
+        _keep_forward_replicas(scheduler)
 
     def add_worker(self, scheduler: Any = None, worker: Any = None) -> None:
         """Low-latency mode: flush scheduler->worker messages every `LATENCY` s (5 ms in
@@ -90,6 +91,21 @@ class LoadDagdiff(WorkerPlugin):
         stream = getattr(worker, "batched_stream", None)
         if stream is not None and LATENCY is not None:  # worker->scheduler: 2 ms by default
             stream.interval = min(stream.interval, LATENCY)
+
+
+def _keep_forward_replicas(scheduler: Any) -> None:
+    """Stop the Active Memory Manager's ReduceReplicas policy: it may drop the original
+    forward result (the one holding the pullback) and keep a consumer's copy, which forces
+    the VJP task to fetch the copy back and rematerialize."""
+    amm = getattr(scheduler, "extensions", {}).get("amm")
+    if amm is None:
+        return
+    from distributed.active_memory_manager import ReduceReplicas
+
+    for policy in list(amm.policies):
+        if isinstance(policy, ReduceReplicas):
+            amm.policies.discard(policy)
+            log.info("dagdiff: removed the AMM ReduceReplicas policy (keeps pullbacks local)")
 
 
 def _has_plugin(dask_scheduler: Any = None) -> bool:

@@ -16,7 +16,7 @@ from .errors import MicrobatchError, PlacementError
 from .keys import key_info, make_key
 from .lower import Lowered
 from .schedules import Schedule, get_schedule
-from .tasks import mean_task, slice_task
+from .tasks import acc_task, mean_task, select_task, slice_task
 
 __all__ = ["microbatch_avals", "lower_pipeline", "PipelineGraph", "order_actions"]
 
@@ -93,7 +93,9 @@ def lower_pipeline(trace: Any, plan: Any, token: str, m: int, schedule: Schedule
             splits[idx].append(k)
     lowered: list[Lowered] = []
     loss_keys, aux_keys = [], []
-    prev_grads: dict[int, str] = {}
+    prev_acc: dict[Any, str] = {}      # stage -> accumulator key of the latest microbatch
+    acc_pos: dict[int, int] = {}       # param node -> position in its stage's accumulator
+    acc_of: dict[int, Any] = {}        # param node -> stage of its accumulator
     for mb in range(m):
         inputs = dict(shared)
         inputs.update({idx: (keys[mb], -1) for idx, keys in splits.items()})
@@ -103,14 +105,34 @@ def lower_pipeline(trace: Any, plan: Any, token: str, m: int, schedule: Schedule
             for idx, key in low.data_keys.items():
                 shared[idx] = (key, -1)
                 stage_of[key] = home.get(idx)
-        # running gradient sum on the stage's worker: grad(mb) = grad(mb-1) + contributions
+        # gradient accumulation on the stage's worker: one task per (stage, microbatch)
+        # sums the contributions to all of the stage's parameter leaves and adds the
+        # previous microbatch's sums (one accumulator alive per stage, few small tasks)
+        by_stage: dict[Any, list[int]] = defaultdict(list)
         for pnode, key in low.grad_keys.items():
-            if pnode in prev_grads:
-                t = low.dsk[key]
-                srcs, zeros, dev, *vals = t.args
-                low.dsk[key] = Task(key, t.func, (*srcs, -1), zeros, dev, *vals,
-                                    TaskRef(prev_grads[pnode]))
-            prev_grads[pnode] = key
+            by_stage[low.stage_of.get(key)].append(pnode)
+        for st, pnodes in by_stage.items():
+            layout, vals = [], []
+            dev = None
+            for pn in pnodes:
+                key = low.grad_keys[pn]
+                srcs, zeros, dev, *parts = low.dsk.pop(key).args
+                low.stage_of.pop(key, None)
+                entries = []
+                for src, v in zip(srcs, parts):
+                    vals.append(v)
+                    entries.append((len(vals) - 1, src))
+                layout.append((tuple(entries), zeros))
+                acc_pos[pn] = len(layout) - 1
+            name = "grads" if st is None else f"grads_s{st}"
+            k = make_key("acc", name, 0 if st is None else st, token, st, mb)
+            prev = prev_acc.get(st)
+            low.dsk[k] = Task(k, acc_task, tuple(layout), dev,
+                              TaskRef(prev) if prev else None, *vals)
+            low.stage_of[k] = st
+            prev_acc[st] = k
+            for pn in pnodes:
+                acc_of[pn] = st
         loss_keys.append(select(low, trace, loss, "loss", token, mb))
         aux_keys.append(jax.tree_util.tree_map(
             lambda v: select(low, trace, v, "aux", token, mb)
@@ -118,13 +140,20 @@ def lower_pipeline(trace: Any, plan: Any, token: str, m: int, schedule: Schedule
         dsk.update(low.dsk)
         stage_of.update(low.stage_of)
         lowered.append(low)
+    grad_keys: dict[int, str] = {}
+    for pn, st in acc_of.items():
+        node = trace.nodes[pn]
+        k = make_key("grad", node.path or node.name, pn, token)
+        dsk[k] = Task(k, select_task, acc_pos[pn], TaskRef(prev_acc[st]))
+        stage_of[k] = st
+        grad_keys[pn] = k
     lnode = trace.nodes[loss.node]
     loss_key = make_key("loss", lnode.name, lnode.index, token)
     dsk[loss_key] = Task(loss_key, mean_task, *[TaskRef(k) for k in loss_keys])
     stage_of[loss_key] = lnode.stage
     priority = (order_actions(dsk, lowered, trace, schedule, m, stage_offset)
                 if schedule is not None else {})
-    return PipelineGraph(dsk, stage_of, priority, loss_key, dict(prev_grads), aux_keys, lowered)
+    return PipelineGraph(dsk, stage_of, priority, loss_key, grad_keys, aux_keys, lowered)
 
 
 def order_actions(dsk: dict[str, Any], lowered: list[Lowered], trace: Any, schedule: Schedule,
@@ -166,6 +195,9 @@ def order_actions(dsk: dict[str, Any], lowered: list[Lowered], trace: Any, sched
             entry = [k for k in keys if not (dsk[k].dependencies & inside)]
             needed = {d for k in keys for d in dsk[k].dependencies}
             exits = [k for k in keys if k not in needed]
+            # Each action waits for the previous action of its worker. Looser rules (only
+            # at forward/backward switches, priorities elsewhere) save round trips but let
+            # transfers that finish out of order reorder a worker's actions; measured here.
             for k in entry:
                 t = dsk[k]
                 extra = {f"after_{i}": TaskRef(e) for i, e in enumerate(prev_exit)

@@ -25,6 +25,7 @@ __all__ = [
     "select_task",
     "slice_task",
     "mean_task",
+    "acc_task",
     "remat_count",
     "reset_remat_count",
     "compile_count",
@@ -273,8 +274,10 @@ def peak_live() -> dict[Any, int]:
 
 
 def reset_peak_live() -> None:
+    """Forget peaks and live tags (a computation abandoned half-way leaves tags behind)."""
     with _LOCK:
         _PEAK.clear()
+        _LIVE.clear()
 
 
 def fwd_task(spec: CallSpec, srcs: tuple[int, ...], dev: int | None, *vals: Any,
@@ -395,6 +398,27 @@ def mean_task(*values: Any) -> Any:
     for v in values[1:]:
         total = total + v
     return total / len(values)
+
+
+def acc_task(layout: tuple[Any, ...], dev: int | None, prev: Any, *vals: Any,
+             **after: Any) -> tuple[Any, ...]:
+    """Gradient accumulator of one stage and microbatch: for each parameter leaf, the sum
+    of its contributions (entries of `vals`) plus its sum from the previous microbatch."""
+    device = _device(dev)
+    out = []
+    for i, (entries, zeros) in enumerate(layout):
+        parts = [_put(_take(vals[j], s), device) for j, s in entries]
+        if prev is not None:
+            parts.append(prev[i])
+        if not parts:
+            shape, dtype = zeros
+            out.append(_put(jnp.zeros(shape, dtype), device))
+            continue
+        total = parts[0]
+        for p in parts[1:]:
+            total = total + p
+        out.append(total)
+    return tuple(out)
 
 
 def select_task(src: int, value: Any) -> Any:

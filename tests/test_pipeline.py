@@ -144,6 +144,7 @@ def executed_orders(client: Any, loss_fn: Any, args: Any, m: int, schedule: str,
     with client.as_current():
         loss, grads = dd.value_and_grad(loss_fn, microbatches=m, schedule=schedule)(*args)
         dd.reset_peak_live(client)
+        dd.reset_remat_count(client)
         with get_task_stream(client) as ts:
             got = client.compute([loss, grads], sync=True)
     slot = slot_names(client)
@@ -181,6 +182,7 @@ def test_executed_order_per_worker_matches_schedule(client4: Any, schedule: str)
     want_l, want_g = jax.value_and_grad(loss_fn)(params, x, t)
     np.testing.assert_allclose(got[0], want_l, rtol=1e-5)
     close(got[1], want_g)
+    assert dd.remat_count(client4) == 0       # no forward result had to move
     peak = dd.peak_live(client4)
     if schedule == "1f1b":
         assert peak == {s: p - s for s in range(p)}
