@@ -132,6 +132,24 @@ def _capture(**info: Any) -> None:
         sink.append(info)
 
 
+def _without_gc(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Pause the cyclic garbage collector while building a graph: building allocates many
+    small objects, and collections of a large heap (jax, dask, distributed loaded) cost
+    more than the building itself."""
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        import gc
+
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if was:
+                gc.enable()
+    return run
+
+
 def current_client() -> Any:
     """The active distributed client (``Client.as_current()`` or the default), or None."""
     if "distributed" not in sys.modules:
@@ -188,6 +206,7 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
     fuse = bool(fuse)
 
     @functools.wraps(fn)
+    @_without_gc
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         nums = _argnums(argnums, len(args), fname)
         trace, out, targs = trace_call(fn, args, kwargs, nums, fname)
@@ -224,6 +243,7 @@ def _pipelined(fn: Callable[..., Any], fname: str, argnums: Any, has_aux: bool, 
     from .pipeline import lower_pipeline, microbatch_avals
 
     @functools.wraps(fn)
+    @_without_gc
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         nums = _argnums(argnums, len(args), fname)
         names = _argnames(fn, len(args))
