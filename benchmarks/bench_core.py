@@ -46,8 +46,8 @@ def main() -> None:
     a = ap.parse_args()
 
     key = jax.random.PRNGKey(0)
-    params = [{"w": jax.random.normal(jax.random.fold_in(key, i), (a.width, a.width)) / a.width**0.5,
-               "b": jnp.zeros(a.width)} for i in range(a.layers)]
+    params = [{"w": jax.random.normal(jax.random.fold_in(key, i), (a.width, a.width))
+               / a.width**0.5, "b": jnp.zeros(a.width)} for i in range(a.layers)]
     x = jax.random.normal(key, (a.batch, a.width))
     t = jax.random.normal(jax.random.fold_in(key, 99), (a.batch, a.width))
 

@@ -36,8 +36,8 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, default=4)
     a = ap.parse_args()
     key = jax.random.PRNGKey(0)
-    params = [{"w": jax.random.normal(jax.random.fold_in(key, i), (a.width, a.width)) / a.width**0.5,
-               "b": jnp.zeros(a.width)} for i in range(a.layers)]
+    params = [{"w": jax.random.normal(jax.random.fold_in(key, i), (a.width, a.width))
+               / a.width**0.5, "b": jnp.zeros(a.width)} for i in range(a.layers)]
     batches = [(jax.random.normal(jax.random.fold_in(key, 10 + i), (a.batch, a.width)),
                 jax.random.normal(jax.random.fold_in(key, 99 + i), (a.batch, a.width)))
                for i in range(a.steps + 1)]

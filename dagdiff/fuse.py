@@ -52,7 +52,8 @@ def run_length_name(names: Iterable[str]) -> str:
     return text if len(text) <= 48 else text[:45] + "_etc"
 
 
-def fuse_trace(trace: Trace, keep: set[tuple[int, int]]) -> tuple[Trace, dict[tuple[int, int], Traced]]:
+def fuse_trace(trace: Trace, keep: set[tuple[int, int]]
+               ) -> tuple[Trace, dict[tuple[int, int], Traced]]:
     """Return a new trace in which each maximal run of consecutive call nodes on the same
     stage is one node, and the map from old (node, leaf) to new traced values.
 

@@ -97,7 +97,8 @@ def key_info(key: object) -> KeyInfo:
     m = _KEY_RE.match(key) if isinstance(key, str) else None
     if m is None or m["prefix"] not in PHASES:
         raise KeyFormatError(
-            f"{key!r} is not a dagdiff task key (expected 'fwd_<layer>-s<stage>-m<mb>-n<i>-<token>')"
+            f"{key!r} is not a dagdiff task key "
+            "(expected 'fwd_<layer>-s<stage>-m<mb>-n<i>-<token>')"
         )
     stage = m["stage"]
     mb = m["mb"]

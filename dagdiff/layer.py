@@ -58,15 +58,16 @@ class Layer:
         self.__dict__["__wrapped__"] = state["fn"]
 
     def __repr__(self) -> str:
-        extra = "".join(
-            [", remat=True" if self.remat else "", f", stage={self.stage}" if self.stage is not None else ""]
-        )
+        extra = "".join([", remat=True" if self.remat else "",
+                         f", stage={self.stage}" if self.stage is not None else ""])
         return f"dd.layer({self.name}{extra})"
 
 
 @overload
 def layer(fn: Callable[..., Any], *, name: str | None = ..., remat: bool = ...,
           stage: int | None = ...) -> Layer: ...
+
+
 @overload
 def layer(fn: None = ..., *, name: str | None = ..., remat: bool = ...,
           stage: int | None = ...) -> Callable[[Callable[..., Any]], Layer]: ...

@@ -91,15 +91,13 @@ def _register_cuda() -> None:
     serializer family (used by the UCX comm of distributed-ucxx), via DLPack, no host copy.
     Over TCP, or for CPU arrays, the ``dask`` family above is used instead."""
     try:
-        import cupy  # noqa: F401
+        import cupy  # noqa: F401  (only register where CuPy exists)
         from distributed.protocol.cuda import cuda_deserialize, cuda_serialize
     except Exception:
         return
 
     @cuda_serialize.register(jax_array_type)
     def _ser(x: Any) -> tuple[dict[str, Any], list[Any]]:
-        import cupy
-
         if not any(d.platform == "gpu" for d in x.devices()):
             raise TypeError("not a GPU array")  # distributed then tries the next family
         arr = cupy.from_dlpack(x)
@@ -109,8 +107,6 @@ def _register_cuda() -> None:
 
     @cuda_deserialize.register(jax_array_type)
     def _deser(header: dict[str, Any], frames: list[Any]) -> Any:
-        import cupy
-
         arr = cuda_deserialize.dispatch(cupy.ndarray)(header, frames)
         return jax.dlpack.from_dlpack(arr)
 

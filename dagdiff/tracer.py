@@ -212,7 +212,8 @@ class Trace:
             spec=spec, in_leaves=tuple(leaves),
         )
         self.nodes.append(node)
-        outs = [Traced(self, node.index, i, a, grad and _inexact(a)) for i, a in enumerate(out_avals)]
+        outs = [Traced(self, node.index, i, a, grad and _inexact(a))
+                for i, a in enumerate(out_avals)]
         return jax.tree_util.tree_unflatten(out_treedef, outs)
 
 
@@ -271,7 +272,8 @@ def _infer(layer: Layer, treedef: Any, leaves: Sequence[Any], stage: int | None)
         return hit
     kinds = tuple("d" if isinstance(x, Traced) or is_array(x) else "s" for x in leaves)
     statics = tuple(None if k == "d" else x for k, x in zip(kinds, leaves))
-    diff = tuple(isinstance(x, Traced) and x.requires_grad for x, k in zip(leaves, kinds) if k == "d")
+    diff = tuple(isinstance(x, Traced) and x.requires_grad
+                 for x, k in zip(leaves, kinds) if k == "d")
     spec = make_call_spec(layer, treedef, kinds, statics, diff)
     avals = [jax.ShapeDtypeStruct(x.aval.shape, x.aval.dtype) if isinstance(x, Traced)
              else aval_of(x) for x, k in zip(leaves, kinds)

@@ -11,7 +11,6 @@ back to the client.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -86,8 +85,8 @@ class Trainer:
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.microbatches = microbatches
-        self.schedule = resolve_schedule(schedule) if (schedule is not None
-                                                         or microbatches > 1) else None
+        pipelined = schedule is not None or microbatches > 1
+        self.schedule = resolve_schedule(schedule) if pipelined else None
         self.replicas = replicas
         self.client = client if client is not None else current_client()
         self.stages = stages
@@ -451,6 +450,3 @@ def load(path: str) -> TrainState:
     return TrainState(int(tree["step"]), params=tuple(tree["params"]),
                       opt_leaves=tuple(tuple(g) for g in tree.get("opt") or ()) or None,
                       groups=groups)
-
-
-_ = math

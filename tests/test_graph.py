@@ -14,7 +14,6 @@ import pytest
 from dask.utils import key_split
 
 import dagdiff as dd
-from dagdiff import tasks
 from tests import models as M
 
 KEY = jax.random.PRNGKey(0)

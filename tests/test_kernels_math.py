@@ -71,7 +71,6 @@ def reference_vjp(
     op: str, args: tuple[Any, ...], ct: np.ndarray, dtype: Any
 ) -> tuple[np.ndarray, tuple[Any, ...]]:
     """Reference output and cotangents (``None`` for labels) from ``jax.vjp`` in ``dtype``."""
-    fn = KERNELS[op].reference
     args = tuple(a.astype(dtype) if a.dtype.kind == "f" else a for a in args)
     ct = ct.astype(dtype)
     with x64_if(dtype):

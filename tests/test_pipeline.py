@@ -86,6 +86,7 @@ def test_pipeline_needs_stages() -> None:
 
 def test_batch_axis_and_aux() -> None:
     params, x, t = data(2)
+
     def fn2(params: Any, x: Any, t: Any) -> Any:
         with dd.stage(0):
             h = M.dense(params[0], x)

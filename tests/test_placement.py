@@ -49,7 +49,8 @@ def leaves_close(got: Any, want: Any) -> None:
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
-def run_recorded(client: Any, fn: Any, *args: Any, **kw: Any) -> tuple[Any, Any, dict[str, str], Any]:
+def run_recorded(client: Any, fn: Any, *args: Any,
+                 **kw: Any) -> tuple[Any, Any, dict[str, str], Any]:
     from distributed import get_task_stream
 
     with client.as_current():
