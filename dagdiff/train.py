@@ -11,6 +11,8 @@ back to the client.
 from __future__ import annotations
 
 import dataclasses
+import uuid
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -43,6 +45,12 @@ class TrainState:
     opt_leaves: tuple[tuple[Any, ...], ...] | None = None  # concrete, per group (unplaced)
     groups: tuple[tuple[int, ...], ...] | None = None
     placed: Mapping[tuple[int, int], Any] | None = None  # (replica, group) -> Future/tuple
+    owner: Any = dataclasses.field(default=None, repr=False, compare=False)  # weakref
+
+    @property
+    def trainer(self) -> "Trainer | None":
+        """The Trainer that made this state (if it still exists)."""
+        return self.owner() if self.owner is not None else None
 
     @property
     def is_placed(self) -> bool:
@@ -96,6 +104,9 @@ class Trainer:
         self.batch_axis = batch_axis
         self._treedef: Any = None
         self._template: list[Any] = []
+        self._last: TrainState | None = None
+        self._ref = weakref.ref(self)
+        self._uid = uuid.uuid4().hex[:8]   # task keys of different trainers never collide
         self._cache: dict[Any, Any] = {}
 
     # --- state ------------------------------------------------------------------------
@@ -109,9 +120,10 @@ class Trainer:
                                 f"{type(x).__name__} {getattr(x, 'dtype', '')}. Keep "
                                 "constants out of the params pytree (close over them).")
         self._template = list(leaves)
-        state = TrainState(0, params=tuple(leaves))
+        state = TrainState(0, params=tuple(leaves), owner=self._ref)
         if example_batch:
             state = self._place(state, self._model(example_batch))
+        self._last = state
         return state
 
     def params(self, state: TrainState) -> Any:
@@ -225,7 +237,7 @@ class Trainer:
                     if targets.kind == "slots" else targets.target(stage)
                 placed[(r, g)] = self.client.scatter(   # a list: one Future for the tuple
                     [value], workers=[addr] if isinstance(addr, str) else None, hash=False)[0]
-        return TrainState(state.step, groups=model.groups, placed=placed)
+        return TrainState(state.step, groups=model.groups, placed=placed, owner=self._ref)
 
     def _targets(self, model: "_Model") -> Any:
         stages = set(range(model.p * self.replicas))
@@ -242,7 +254,7 @@ class Trainer:
             state = self._place(state, model)
         r_count, m = self.replicas, self.microbatches
         targets = self._targets(model)
-        token = trace_token(model.trace, ("step", state.step))
+        token = trace_token(model.trace, ("step", state.step, self._uid))
         dsk: dict[str, Any] = {}
         stage_of: dict[str, int | None] = {}
         priority: dict[str, int] = {}
@@ -322,7 +334,8 @@ class Trainer:
             values = self.client.compute(outs)
         loss = values[0]
         placed = dict(zip(new_placed, values[1:]))
-        return TrainState(state.step + 1, groups=model.groups, placed=placed), loss
+        self._last = TrainState(state.step + 1, groups=model.groups, placed=placed, owner=self._ref)
+        return self._last, loss
 
     def _batch_leaves(self, model: "_Model", batch: Sequence[Any]) -> list[Any]:
         args = (None, *batch)
@@ -334,12 +347,16 @@ class Trainer:
     def fit(self, batches: Iterable[Sequence[Any]], steps: int | None = None,
             progress: bool = True, state: TrainState | None = None,
             params: Any = None) -> tuple[TrainState, list[float]]:
-        """Run `steps` steps (default: all batches) from `state` (or `init(params)`),
-        submitting ahead and showing a tqdm bar with the loss. Returns (state, losses)."""
-        if state is None:
-            if params is None:
-                raise ValueError("fit needs state= or params=")
+        """Run `steps` steps (default: all batches) from `state` (default: the latest state
+        of this trainer, from `init` or `step`; or `init(params)` when given), submitting
+        ahead and showing a tqdm bar with the loss. Returns (state, losses)."""
+        if params is not None and state is None:
             state = self.init(params)
+        if state is None:
+            state = self._last
+        if state is None:
+            raise ValueError("fit needs a state: call trainer.init(params) first, or pass "
+                             "state= or params=")
         from tqdm.auto import tqdm
 
         total = steps
@@ -425,6 +442,7 @@ def save(path: str, state: TrainState, trainer: Trainer | None = None) -> None:
 
     import orbax.checkpoint as ocp
 
+    trainer = trainer if trainer is not None else state.trainer
     if state.is_placed:
         if trainer is None:
             raise ValueError("dd.save of a placed state needs trainer= to gather it")
