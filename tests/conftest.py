@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import dask
 import pytest
@@ -17,26 +17,31 @@ WORKER_ENV = {
 }
 
 
-@pytest.fixture(scope="session")
-def cluster2() -> Any:
-    """A 2-worker LocalCluster of processes, shared by the whole session."""
-    import dagdiff as dd
+def _cluster_client(n: int) -> Iterator[Any]:
+    """A LocalCluster of n worker processes and a non-default client, torn down after."""
+    from distributed import Client
 
-    cluster = dd.local_cluster(n_workers=2, env=WORKER_ENV, dashboard_address=None, quiet=True)
-    yield cluster
+    import dagdiff as dd
+    from dagdiff.colocate import ensure_colocation
+
+    cluster = dd.local_cluster(n_workers=n, env=WORKER_ENV, dashboard_address=None, quiet=True)
+    client = Client(cluster, set_as_default=False)
+    ensure_colocation(client)
+    yield client
+    client.close()
     cluster.close()
 
 
 @pytest.fixture(scope="session")
-def client2(cluster2: Any) -> Any:
-    from distributed import Client
+def client2() -> Iterator[Any]:
+    """A client of a 2-worker cluster, shared by the whole session."""
+    yield from _cluster_client(2)
 
-    from dagdiff.colocate import ensure_colocation
 
-    client = Client(cluster2, set_as_default=False)
-    ensure_colocation(client)
-    yield client
-    client.close()
+@pytest.fixture(scope="session")
+def client4() -> Iterator[Any]:
+    """A client of a 4-worker cluster (workers mostly wait on each other; fits 2 cores)."""
+    yield from _cluster_client(4)
 
 
 @pytest.fixture(params=["sync", "threads", "distributed"])
@@ -48,31 +53,8 @@ def compute(request: Any) -> Callable[..., Any]:
         def run(*colls: Any) -> Any:
             with client.as_current():
                 return client.compute(list(colls), sync=True)
-        run.client = client  # type: ignore[attr-defined]
-        run.name = "distributed"  # type: ignore[attr-defined]
         return run
 
     def run_local(*colls: Any) -> Any:
         return list(dask.compute(*colls, scheduler=request.param))
-    run_local.client = None  # type: ignore[attr-defined]
-    run_local.name = request.param  # type: ignore[attr-defined]
     return run_local
-
-
-@pytest.fixture(scope="session")
-def cluster4() -> Any:
-    """A 4-worker LocalCluster (workers mostly wait on each other; fits 2 cores)."""
-    import dagdiff as dd
-
-    cluster = dd.local_cluster(n_workers=4, env=WORKER_ENV, dashboard_address=None, quiet=True)
-    yield cluster
-    cluster.close()
-
-
-@pytest.fixture(scope="session")
-def client4(cluster4: Any) -> Any:
-    from distributed import Client
-
-    client = Client(cluster4, set_as_default=False)
-    yield client
-    client.close()
