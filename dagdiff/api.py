@@ -167,7 +167,7 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
                    batch_argnums: Sequence[int] | None = None, batch_axis: int = 0,
                    stages: int | str | None = None,
                    placement: Mapping[int, Any] | None = None, fuse: bool | None = None,
-                   resident: bool = True) -> Callable[..., Any]:
+                   resident: bool = True, dispatch: str | None = None) -> Callable[..., Any]:
     """Like `jax.value_and_grad`, but returns Dask collections and runs nothing.
 
     ``loss, grads = dd.value_and_grad(loss_fn)(params, x, t)`` traces `loss_fn` once
@@ -193,16 +193,25 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
     schedule's order. `loss` is the mean of the microbatch losses and `grads` its
     gradient (equal to the full-batch ones for a mean loss); with `has_aux`, aux is a
     list with one entry per microbatch.
+
+    ``dispatch`` (pipelines on a cluster): "direct" (the default there) submits a step's
+    tasks at once; each worker runs them in its schedule order and sends activations and
+    cotangents straight to the next worker, with no scheduler round trip per action (see
+    `dagdiff.direct`). "scheduler" keeps every edge a Dask dependency (ordering edges
+    between a worker's actions): slower per action, but Dask recomputes lost work.
     """
     fname = getattr(fn, "__name__", "fn")
     if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
         raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
+    if dispatch not in (None, "direct", "scheduler"):
+        raise ValueError(f"dispatch must be 'direct', 'scheduler' or None, got {dispatch!r}")
     if microbatches > 1 or schedule is not None:
         from .pipeline import resolve_schedule
 
         sched = resolve_schedule(schedule)
         return _pipelined(fn, fname, argnums, has_aux, microbatches, sched, batch_argnums,
-                          batch_axis, stages, placement, fuse is not False, resident)
+                          batch_axis, stages, placement, fuse is not False, resident,
+                          dispatch)
     fuse = bool(fuse)
 
     @functools.wraps(fn)
@@ -239,7 +248,8 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
 
 def _pipelined(fn: Callable[..., Any], fname: str, argnums: Any, has_aux: bool, m: int,
                sched: Any, batch_argnums: Sequence[int] | None, axis: int, stages: Any,
-               placement: Any, fuse: bool, resident: bool) -> Callable[..., Any]:
+               placement: Any, fuse: bool, resident: bool,
+               dispatch: str | None = None) -> Callable[..., Any]:
     from .pipeline import lower_pipeline, microbatch_avals
 
     @functools.wraps(fn)
@@ -280,7 +290,10 @@ def _pipelined(fn: Callable[..., Any], fname: str, argnums: Any, has_aux: bool, 
                     lambda v: OutKey(pg.grad_keys[v.node])
                     if isinstance(v, Traced) and v.node in pg.grad_keys else None,
                     a, is_leaf=lambda x: x is None) for a in targs])
-        graph = build_graph(pg.dsk, pg.stage_of, targets, token, pg.priority)
+        keep = None
+        if resolve_dispatch(dispatch, client, targets) == "direct":
+            keep = {k for k in jax.tree_util.tree_leaves(keys) if isinstance(k, OutKey)}
+        graph = build_graph(pg.dsk, pg.stage_of, targets, token, pg.priority, keep)
         lk, ak, gk = to_delayed(graph, token, keys)
         grads = gk[0] if isinstance(argnums, int) else tuple(gk)
         _capture(trace=trace, targets=targets, graph=graph, loss=lk, microbatches=m,
@@ -338,19 +351,62 @@ def place(trace: Trace, client: Any, placement: Mapping[int, Any] | None, reside
 
 
 def build_graph(dsk: dict[str, Any], stage_of: Mapping[str, int | None], targets: Any,
-                token: str, priority: dict[str, int] | None = None) -> HighLevelGraph:
+                token: str, priority: dict[str, int] | None = None,
+                keep: set[str] | None = None, client: Any = None) -> HighLevelGraph:
     """One HighLevelGraph layer holding every task, with per-key placement annotations
-    (and schedule priorities)."""
+    (and schedule priorities). `keep`: the step's output keys, given to run it with
+    direct dispatch (see `dagdiff.direct`); None keeps every edge a Dask dependency."""
     from dask.highlevelgraph import MaterializedLayer
 
     from .placement import annotations_for
 
+    if keep is not None and targets.kind in ("slots", "workers"):
+        return _direct_graph(dsk, stage_of, targets, token, priority or {}, keep, client)
     annotations = annotations_for(stage_of, targets)
     if priority:
         annotations["priority"] = priority.get
     name = f"dagdiff-{token}"
     layer = MaterializedLayer(dsk, annotations=annotations or None)
     return HighLevelGraph({name: layer}, {name: set()})
+
+
+def _direct_graph(dsk: dict[str, Any], stage_of: Mapping[str, int | None], targets: Any,
+                  token: str, priority: dict[str, int], keep: set[str],
+                  client: Any) -> HighLevelGraph:
+    from dask.highlevelgraph import MaterializedLayer
+
+    from .direct import RESOURCE_SHARE, endpoints, rewrite
+
+    worker_of = {k: targets.target(s) for k, s in stage_of.items()}
+    slots = targets.kind == "slots"
+    done_worker = next((worker_of[k] for k in sorted(keep) if worker_of.get(k)), None)
+    used = {worker_of[k] for k in dsk if worker_of.get(k)}
+    addrs = {targets.addresses[w] if slots else w for w in used if not slots
+             or w in targets.addresses}
+    plan = rewrite(dsk, worker_of, priority, keep, targets.addresses, token,
+                   done_worker=done_worker, slots=slots,
+                   endpoints=endpoints(client or current_client(), addrs))
+    where = {k: w for k, w in worker_of.items() if w is not None}
+    if plan.done_key is not None and done_worker is not None:
+        where[plan.done_key] = done_worker
+    prio = {**priority, **plan.priority}
+    annotations: dict[str, Any] = {"priority": prio.get}
+    if slots:   # shares: a direct task waiting for its turn keeps its resources
+        annotations["resources"] = {k: {w: RESOURCE_SHARE} for k, w in where.items()}.get
+    else:
+        annotations["workers"] = {k: [w] for k, w in where.items()}.get
+    name = f"dagdiff-{token}"
+    layer = MaterializedLayer(plan.dsk, annotations=annotations)
+    return HighLevelGraph({name: layer}, {name: set()})
+
+
+def resolve_dispatch(dispatch: str | None, client: Any, targets: Any) -> str:
+    """'direct' or 'scheduler' for a pipeline step (None: direct on a cluster)."""
+    if dispatch not in (None, "direct", "scheduler"):
+        raise ValueError(f"dispatch must be 'direct', 'scheduler' or None, got {dispatch!r}")
+    if client is None or targets.kind not in ("slots", "workers"):
+        return "scheduler"
+    return dispatch or "direct"
 
 
 def _result_keys(low: Lowered, trace: Trace, loss: Traced, aux: Any, targs: list[Any],

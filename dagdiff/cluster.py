@@ -39,11 +39,18 @@ def _slotted(base: type) -> type:
     class SlottedCluster(base):  # type: ignore[misc, valid-type]
         """A local cluster whose i-th worker has the start-up resource ``slot<i>``."""
 
+        dagdiff_worker_config: dict[str, Any] = {}
+
         def new_worker_spec(self) -> dict[Any, Any]:
             spec = {}
             for name, d in super().new_worker_spec().items():  # d is shared: copy it
                 opts = dict(d["options"])
                 opts["resources"] = {**(opts.get("resources") or {}), f"slot{name}": 1}
+                if self.dagdiff_worker_config:  # a nanny's config replaces the worker's
+                    import dask
+
+                    opts["config"] = dask.config.merge(dask.config.config,
+                                                       self.dagdiff_worker_config)
                 spec[name] = {**d, "options": opts}
             return spec
 
@@ -59,6 +66,7 @@ def local_cluster(
     env: dict[str, str] | None = None,
     gpu: bool | None = None,
     quiet: bool = False,
+    profile: bool = False,
     **kwargs: Any,
 ) -> Any:
     """Start the embedded default cluster and return it (a `distributed.LocalCluster`).
@@ -69,6 +77,11 @@ def local_cluster(
     to one intra-op thread each. Worker i has the resource ``slot<i>`` (see module
     docstring). Extra keyword arguments go to the cluster class. Prints the dashboard
     link unless `quiet`.
+
+    `profile=False` turns off distributed's sampling profiler on the workers (the
+    dashboard's Profile tab stays empty): it walks every thread's stack every 10 ms, and
+    a pipeline step parks one thread per task, which doubled the workers' CPU time per
+    step in our measurements.
     """
     from distributed import LocalCluster
 
@@ -97,6 +110,8 @@ def local_cluster(
     if dashboard_address is None:  # no dashboard at all (tests, benchmarks)
         sched.setdefault("dashboard", False)
     cls = _slotted(base)
+    if not profile:
+        cls.dagdiff_worker_config = {"distributed": {"worker": {"profile": {"enabled": False}}}}
     options: dict[str, Any] = dict(
         n_workers=0, threads_per_worker=1, processes=True, host=host,
         dashboard_address=dashboard_address or "127.0.0.1:0", scheduler_kwargs=sched,

@@ -81,16 +81,26 @@ class ColocateVJP(SchedulerPlugin):
 
 class LoadDagdiff(WorkerPlugin):
     """Import dagdiff on every worker (present and future) so that its serializers for
-    jax arrays are registered before any data arrives."""
+    jax arrays are registered before any data arrives; install the direct-dispatch
+    handlers (``dagdiff_put``, ``dagdiff_abort``)."""
 
     name = "dagdiff-load"
 
     def setup(self, worker: Any) -> None:
         import dagdiff  # noqa: F401  (registers sizeof and serializers)
+        from .direct import install_handlers
 
+        install_handlers(worker)
         stream = getattr(worker, "batched_stream", None)
         if stream is not None and LATENCY is not None:  # worker->scheduler: 2 ms by default
             stream.interval = min(stream.interval, LATENCY)
+
+    def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:
+        """A running direct task was cancelled: wake its step's waiters on this worker."""
+        if finish == "cancelled" and isinstance(key, str):
+            from .direct import cancelled
+
+            cancelled(key)
 
 
 def _keep_forward_replicas(scheduler: Any) -> None:

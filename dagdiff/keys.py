@@ -33,6 +33,7 @@ PHASES: dict[str, str] = {
     "update": "update",
     "reduce": "reduce",
     "state": "state",
+    "done": "done",
 }
 _PREFIX = {v: k for k, v in PHASES.items()}
 

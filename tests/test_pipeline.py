@@ -137,30 +137,23 @@ def test_user_schedule_subclass() -> None:
 
 
 def executed_orders(client: Any, loss_fn: Any, args: Any, m: int, schedule: str,
-                    p: int) -> tuple[list[list[str]], Any]:
-    from distributed import get_task_stream
-
-    from dagdiff.cluster import slot_names
-
+                    p: int, dispatch: str | None = None) -> tuple[list[list[str]], Any]:
+    """Per worker, the F/B/I/W actions in the order they computed (dd.record: the task
+    stream, with direct tasks' compute times read from their workers)."""
     with client.as_current():
-        loss, grads = dd.value_and_grad(loss_fn, microbatches=m, schedule=schedule)(*args)
+        loss, grads = dd.value_and_grad(loss_fn, microbatches=m, schedule=schedule,
+                                        dispatch=dispatch)(*args)
         dd.reset_peak_live(client)
         dd.reset_remat_count(client)
-        with get_task_stream(client) as ts:
+        with dd.record(client) as rec:
             got = client.compute([loss, grads], sync=True)
-    slot = slot_names(client)
     per_worker: dict[int, list[tuple[float, str]]] = {i: [] for i in range(p)}
-    for rec in ts.data:
-        try:
-            info = dd.key_info(rec["key"])
-        except ValueError:
+    for t in rec.tasks:
+        if t.phase not in ("F", "B", "I", "W"):
             continue
-        if info.phase not in ("F", "B", "I", "W"):
-            continue
-        start = min(s["start"] for s in rec["startstops"] if s["action"] == "compute")
-        w = int(slot[rec["worker"]][4:])
-        assert w == info.stage % p
-        per_worker[w].append((start, f"{info.phase}{info.microbatch}"))
+        w = int(rec.worker_names[t.worker][4:])
+        assert w == t.stage % p
+        per_worker[w].append((t.start, f"{t.phase}{t.microbatch}"))
     orders = []
     for w in range(p):
         seq = [a for _, a in sorted(per_worker[w])]
@@ -169,12 +162,16 @@ def executed_orders(client: Any, loss_fn: Any, args: Any, m: int, schedule: str,
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1"])
-def test_executed_order_per_worker_matches_schedule(client4: Any, schedule: str) -> None:
+@pytest.mark.parametrize("schedule,dispatch", [("1f1b", "direct"), ("gpipe", "direct"),
+                                               ("zb-h1", "direct"), ("1f1b", "scheduler"),
+                                               ("zb-h1", "scheduler")])
+def test_executed_order_per_worker_matches_schedule(client4: Any, schedule: str,
+                                                    dispatch: str) -> None:
     p, m = 4, 8
     loss_fn = make_loss(p)
     params, x, t = data(p, batch=16)
-    orders, got = executed_orders(client4, loss_fn, (params, x, t), m, schedule, p)
+    orders, got = executed_orders(client4, loss_fn, (params, x, t), m, schedule, p,
+                                  dispatch)
     want_actions = dd.get_schedule(schedule).actions(p, m)
     for w in range(p):
         # stage 0's single layer gets no I task (its input is data): drop those actions
