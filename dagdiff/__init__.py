@@ -4,6 +4,7 @@ from __future__ import annotations
 from .api import grad, value_and_grad
 from .cluster import local_cluster
 from .custom import CustomLayer, custom_layer
+from .direct import DirectDispatchError
 from .errors import (
     DagdiffError,
     KeyFormatError,
@@ -29,6 +30,15 @@ _register_serializers()
 from . import kernels  # noqa: E402  (dd.kernels.bias_gelu etc.; needs the names above)
 
 __version__ = "0.1.0"
+
+
+def dask_setup(worker: object) -> None:
+    """Preload hook (``dask worker --preload dagdiff``, and dd.local_cluster's workers):
+    install the direct-dispatch handlers and channel before any task arrives."""
+    from .direct import install_handlers
+
+    install_handlers(worker)
+
 
 __all__ = [
     "layer",
@@ -64,4 +74,5 @@ __all__ = [
     "KeyFormatError",
     "PlacementError",
     "MicrobatchError",
+    "DirectDispatchError",
 ]

@@ -375,8 +375,12 @@ def _direct_graph(dsk: dict[str, Any], stage_of: Mapping[str, int | None], targe
                   client: Any) -> HighLevelGraph:
     from dask.highlevelgraph import MaterializedLayer
 
+    from .colocate import ensure_colocation
     from .direct import RESOURCE_SHARE, endpoints, rewrite
 
+    client = client or current_client()
+    if client is not None:
+        ensure_colocation(client)      # the workers' direct-dispatch handlers and channel
     worker_of = {k: targets.target(s) for k, s in stage_of.items()}
     slots = targets.kind == "slots"
     done_worker = next((worker_of[k] for k in sorted(keep) if worker_of.get(k)), None)
@@ -385,7 +389,7 @@ def _direct_graph(dsk: dict[str, Any], stage_of: Mapping[str, int | None], targe
              or w in targets.addresses}
     plan = rewrite(dsk, worker_of, priority, keep, targets.addresses, token,
                    done_worker=done_worker, slots=slots,
-                   endpoints=endpoints(client or current_client(), addrs))
+                   endpoints=endpoints(client, addrs))
     where = {k: w for k, w in worker_of.items() if w is not None}
     if plan.done_key is not None and done_worker is not None:
         where[plan.done_key] = done_worker

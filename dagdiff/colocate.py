@@ -96,8 +96,10 @@ class LoadDagdiff(WorkerPlugin):
             stream.interval = min(stream.interval, LATENCY)
 
     def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:
-        """A running direct task was cancelled: wake its step's waiters on this worker."""
-        if finish == "cancelled" and isinstance(key, str):
+        """A running direct task was released by the scheduler (the client let go of the
+        step, e.g. after an error): wake its step's waiters on this worker."""
+        if (start in ("executing", "long-running") and finish in ("released", "cancelled")
+                and isinstance(key, str)):
             from .direct import cancelled
 
             cancelled(key)

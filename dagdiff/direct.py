@@ -22,7 +22,6 @@ cancelled steps wake their waiters, and every wait has a deadline
 """
 from __future__ import annotations
 
-import asyncio
 import collections
 import dataclasses
 import itertools
@@ -148,7 +147,8 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
         timeout = _timeout()
     dsk = dict(dsk)
     direct: set[str] = set()
-    for key in _topological(dsk):
+    for key in _topological({k: _Deps(_deps(t) if isinstance(t, Task) else [])
+                             for k, t in dsk.items()}):
         t = dsk[key]
         if not isinstance(t, Task) or key in keep or worker_of.get(key) is None:
             continue
@@ -239,6 +239,9 @@ def _topological(dsk: Mapping[str, Any]) -> list[str]:
             indeg[u] -= 1
             if indeg[u] == 0:
                 ready.append(u)
+    if len(out) < len(indeg):
+        stuck = sorted(k for k, n in indeg.items() if n)[:4]
+        raise DirectDispatchError(f"the task graph has a cycle through {', '.join(stuck)}")
     return out
 
 
@@ -397,8 +400,9 @@ def direct_task(info: DirectInfo, func: Callable[..., Any], /, *args: Any,
     st = _step(here)
     if st is None:
         raise DirectDispatchError(
-            f"{info.key} on {info.where}: this step already ran on this worker; Dask is "
-            "running its task again (a worker was lost mid-step). Run the step again.")
+            f"{info.key} on {info.where}: this step already ended on this worker (it "
+            "finished, failed or was cancelled) and Dask runs its task again, e.g. after "
+            "a worker was lost mid-step. Run the step again.")
     entry = _Entry(info, func, args, kwargs)
     _RUNNING[info.key] = here
     try:
@@ -479,23 +483,30 @@ def _run(st: _Step, entry: _Entry) -> None:
 
 
 def _settle(st: _Step, entry: _Entry, value: Any, error: BaseException | None) -> None:
-    """Record the outcome, hand it to local consumers, send it to remote ones."""
+    """Hand the outcome to local consumers, send it to remote ones, then record it (a
+    value that cannot be delivered fails its task, so the caller hears of it)."""
     info = entry.info
     msg = None
     if error is not None:
         msg = str(error) if isinstance(error, (UpstreamError, DirectDispatchError)) else \
             f"{info.key} failed on {info.where}: {type(error).__name__}: {error}"
-    with st.cond:
-        if info.route.local:
+    if info.route.local:
+        with st.cond:
             if msg is None:
                 st.values[info.key] = [value, info.route.local]
             else:
                 st.errors[info.key] = msg
+            st.cond.notify_all()
+    try:
+        _send(info, value, msg)
+    except DirectDispatchError as e:
+        if error is None:
+            error = e
+    with st.cond:
         entry.state, entry.result, entry.error = "done", value, error
         entry.args = entry.kwargs = None      # type: ignore[assignment]  (free inputs)
         st.entries.pop(info.pos, None)
         st.cond.notify_all()
-    _send(info, value, msg)
 
 
 def _next(st: _Step, info: DirectInfo) -> None:
@@ -557,22 +568,29 @@ def _wait(st: _Step, info: DirectInfo, ready: Callable[[], bool],
 
 
 def _send(info: DirectInfo, value: Any, error: str | None) -> None:
-    """Send the value (or error) to the consumers on other workers."""
+    """Send the value (or error) to the consumers on other workers; raises
+    `DirectDispatchError` naming the first consumer worker that could not be reached."""
     if not info.route.remote:
         return
     wire = _wire(value) if error is None else None
+    failed = []
     for r in info.route.remote:
         msg = {"step": info.step, "where": r.where, "key": info.key, "uses": r.uses,
                "error": error, "value": wire}
-        if r.endpoint is not None:
-            from .channel import send
+        try:
+            if r.endpoint is not None:
+                from .channel import send
 
-            try:
                 send(r.endpoint, msg)
-            except Exception as e:
-                _undelivered(info, r, f"{type(e).__name__}: {e}")
-        else:
-            _send_rpc(info, r, msg)
+            else:
+                _send_rpc(r, msg)
+        except Exception as e:
+            failed.append(f"{r.where} at {r.address} ({type(e).__name__}: {e})")
+    if failed:
+        raise DirectDispatchError(
+            f"{info.key} on {info.where} could not send its value to "
+            f"{'; '.join(failed)}. Is that worker alive and running dagdiff (start workers "
+            "with --preload dagdiff)? Run the step again, or use dispatch='scheduler'.")
 
 
 def _wire(value: Any) -> Any:
@@ -595,30 +613,21 @@ def _wire(value: Any) -> Any:
     return host(value)
 
 
-def _send_rpc(info: DirectInfo, r: Remote, msg: dict[str, Any]) -> None:
-    """Fallback transport (no channel endpoint, e.g. TLS clusters): distributed's RPC."""
+def _send_rpc(r: Remote, msg: dict[str, Any]) -> None:
+    """Fallback transport (no channel endpoint, e.g. TLS clusters): distributed's RPC,
+    waited for from this task thread."""
     from distributed import get_worker
     from distributed.protocol import to_serialize
+    from distributed.utils import sync
 
     worker = get_worker()
     if msg["value"] is not None:
         msg = {**msg, "value": to_serialize(msg["value"])}
 
-    async def go() -> None:
-        try:
-            await worker.rpc(r.address).dagdiff_put(**msg)
-        except Exception as e:                   # the consumer's worker is gone
-            _undelivered(info, r, f"{type(e).__name__}: {e}")
+    async def go() -> Any:
+        return await worker.rpc(r.address).dagdiff_put(**msg)
 
-    asyncio.run_coroutine_threadsafe(go(), worker.loop.asyncio_loop)
-
-
-def _undelivered(info: DirectInfo, r: Remote, why: str) -> None:
-    """A value could not reach its consumers: fail this step here, tell the consumers'
-    worker when possible (its tasks would otherwise wait until the timeout)."""
-    reason = f"could not send {info.key} from {info.where} to {r.where} ({why})"
-    log.warning("dagdiff: %s", reason)
-    _abort((info.step, info.where), reason)
+    sync(worker.loop, go)
 
 
 def _deliver(msg: dict[str, Any]) -> None:
@@ -642,14 +651,17 @@ def _put(step: str, where: str, key: str, value: Any = None, uses: int = 1,
 
 
 def _abort(step: tuple[str, str], reason: str) -> None:
-    """Wake every waiter of `step` on this worker with `reason`."""
-    st = _step(step)
+    """Wake every waiter of `step` on this worker with `reason`, and forget the step
+    (late messages for it are dropped; its tasks that never started never will)."""
+    with _GLOBAL:
+        st = _STEPS.get(step)
     if st is None:
         return
     with st.cond:
         if st.abort is None:
             st.abort = reason
         st.cond.notify_all()
+    _finish(step)
 
 
 def cancelled(key: str) -> None:

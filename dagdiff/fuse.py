@@ -69,9 +69,13 @@ def fuse_trace(trace: Trace, keep: set[tuple[int, int]]
     seg_of: dict[int, int] = {}
     segments: list[list[Node]] = []
     for _, grp in groupby(calls, key=lambda n: n.stage):
-        segments.append(list(grp))
-        for n in segments[-1]:
-            seg_of[n.index] = len(segments) - 1
+        # hand-written (custom) layers stay on their own: their rules are not JAX
+        for custom, run in groupby(grp, key=_is_custom):
+            parts = [[n] for n in run] if custom else [list(run)]
+            for part in parts:
+                segments.append(part)
+                for n in part:
+                    seg_of[n.index] = len(segments) - 1
     used_outside: set[tuple[int, int]] = set(keep)
     for n in calls:
         for x in n.in_leaves:
@@ -143,3 +147,7 @@ def _fuse(new: Trace, seg: list[Node], used_outside: set[tuple[int, int]],
     new.nodes.append(node)
     for j, (old, leaf, rg) in enumerate(flags):
         remap[(old, leaf)] = Traced(new, node.index, j, avals[j], rg and node.requires_grad)
+
+
+def _is_custom(n: Node) -> bool:
+    return bool(n.spec is not None and getattr(n.spec.layer, "custom", False))

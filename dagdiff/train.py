@@ -21,7 +21,7 @@ import numpy as np
 from dask._task_spec import DataNode, Task, TaskRef
 
 from .api import (OutKey, _argnames, _check_loss, build_graph, current_client, prepare,
-                  to_delayed, trace_call)
+                  resolve_dispatch, to_delayed, trace_call)
 from .backward import build_backward
 from .errors import MicrobatchError
 from .keys import make_key
@@ -78,14 +78,15 @@ class Trainer:
     `dd.value_and_grad`); ``replicas=r`` trains r copies on disjoint worker groups
     (replica i's stage s runs on slot ``i * p + s``), each on 1/r of the batch, with
     gradients all-reduced before the update. ``client=None`` uses the current
-    distributed client, or else runs on the local threads scheduler.
+    distributed client, or else runs on the local threads scheduler. ``dispatch``: as in
+    `dd.value_and_grad` (pipelined steps on a cluster default to "direct").
     """
 
     def __init__(self, loss_fn: Callable[..., Any], optimizer: Any, microbatches: int = 1,
                  schedule: Any = None, replicas: int = 1, client: Any = None, *,
                  stages: int | str | None = None, placement: Mapping[int, Any] | None = None,
                  fuse: bool | None = None, batch_argnums: Sequence[int] | None = None,
-                 batch_axis: int = 0) -> None:
+                 batch_axis: int = 0, dispatch: str | None = None) -> None:
         if not isinstance(replicas, int) or replicas < 1:
             raise ValueError(f"replicas must be a positive int, got {replicas!r}")
         if not isinstance(microbatches, int) or microbatches < 1:
@@ -102,6 +103,10 @@ class Trainer:
         self.fuse = (microbatches > 1) if fuse is None else fuse
         self.batch_argnums = batch_argnums
         self.batch_axis = batch_axis
+        if dispatch not in (None, "direct", "scheduler"):
+            raise ValueError(f"dispatch must be 'direct', 'scheduler' or None, got "
+                             f"{dispatch!r}")
+        self.dispatch = dispatch
         self._treedef: Any = None
         self._template: list[Any] = []
         self._last: TrainState | None = None
@@ -324,7 +329,11 @@ class Trainer:
         lk = make_key("loss", "step", state.step, token)
         dsk[lk] = Task(lk, mean_task, *map(TaskRef, replica_loss))
         stage_of[lk] = None
-        graph = build_graph(dsk, stage_of, targets, token, priority)
+        keep = None
+        if (self.schedule is not None
+                and resolve_dispatch(self.dispatch, self.client, targets) == "direct"):
+            keep = {lk, *new_placed.values()}
+        graph = build_graph(dsk, stage_of, targets, token, priority, keep, self.client)
         outs = to_delayed(graph, token, [OutKey(lk)] + [OutKey(k) for k in new_placed.values()])
         if self.client is None:
             import dask

@@ -1,0 +1,282 @@
+"""Direct dispatch: per-worker order from a simulated run, values worker to worker, and
+failures that reach the caller instead of hanging."""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dagdiff as dd
+from dagdiff import channel
+from dagdiff.direct import DirectInfo, Route, _Inbox, direct_task, linearize
+from dagdiff.schedules import Action
+from tests.test_pipeline import close, data, make_loss
+
+
+# --- the worker order (pure) ------------------------------------------------------------
+
+def test_linearize_keeps_schedule_order_and_places_small_tasks_when_ready() -> None:
+    # two workers, two microbatches: F/B actions with schedule priorities, plus a split
+    # task (no inputs), a loss select and accumulators without priorities
+    deps = {
+        "split0": [], "split1": [],
+        "F00": ["split0"], "F01": ["split1"], "F10": ["F00"], "F11": ["F01"],
+        "loss0": ["F10"], "loss1": ["F11"],
+        "B10": ["F10"], "B11": ["F11"], "B00": ["B10", "F00"], "B01": ["B11", "F01"],
+        "acc0": ["B00"], "acc1": ["B01", "acc0"],
+    }
+    worker = {k: ("w1" if k[1:2] == "1" and k[0] in "FB" or k.startswith("loss") else "w0")
+              for k in deps}
+    # 1F1B on 2 workers, 2 microbatches: w0 F0 F1 B0 B1, w1 F0 B0 F1 B1
+    prio = {"F00": 4, "F01": 3, "B00": 2, "B01": 1, "F10": 4, "B10": 3, "F11": 2, "B11": 1}
+    order = linearize(deps, worker, prio)
+    assert [k for k in order["w0"] if k in prio] == ["F00", "F01", "B00", "B01"]
+    assert [k for k in order["w1"] if k in prio] == ["F10", "B10", "F11", "B11"]
+    assert order["w0"][:2] == ["split0", "split1"]               # no inputs: first
+    assert order["w1"] == ["F10", "loss0", "B10", "F11", "loss1", "B11"]
+    w0 = order["w0"]
+    assert w0.index("acc0") == w0.index("B00") + 1             # right after its input
+    assert w0.index("acc1") == w0.index("B01") + 1
+
+
+def test_linearize_rejects_an_order_that_would_deadlock() -> None:
+    deps = {"F0": [], "F1": ["F0"], "B1": ["F1"], "B0": ["B1", "F0"]}
+    worker = {"F0": "w0", "B0": "w0", "F1": "w1", "B1": "w1"}
+    # w0 wants its backward before its forward: B0 needs B1 needs F1 needs F0
+    with pytest.raises(dd.DirectDispatchError, match="cannot run") as e:
+        linearize(deps, worker, {"B0": 2, "F0": 1, "F1": 2, "B1": 1})
+    assert "w0 at B0" in str(e.value)
+
+
+class BackwardFirst(dd.Schedule):
+    """A broken user schedule: the last stage lists its backwards before its forwards."""
+
+    name = "backward-first"
+
+    def orders(self, num_stages: int, microbatches: int) -> list[list[Action]]:
+        f = [Action("F", i) for i in range(microbatches)]
+        b = [Action("B", i) for i in range(microbatches)]
+        return [f + b for _ in range(num_stages - 1)] + [b + f]
+
+
+@pytest.mark.distributed
+def test_a_schedule_that_cannot_run_fails_when_building(client2: Any) -> None:
+    loss_fn = make_loss(2)
+    params, x, t = data(2)
+    with client2.as_current():
+        with pytest.raises(dd.DirectDispatchError, match="cannot run"):
+            dd.value_and_grad(loss_fn, microbatches=2, schedule=BackwardFirst())(params, x, t)
+
+
+# --- on a cluster ---------------------------------------------------------------------
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("schedule,n_stages,m", [
+    ("1f1b", 4, 8), ("gpipe", 4, 4), ("zb-h1", 4, 8), ("interleaved", 8, 4), ("1f1b", 4, 3),
+])
+def test_direct_dispatch_equals_full_batch_jax(client4: Any, schedule: str, n_stages: int,
+                                               m: int) -> None:
+    loss_fn = make_loss(n_stages)
+    params, x, t = data(n_stages, batch=4 * m)
+    with client4.as_current():
+        loss, grads = dd.value_and_grad(loss_fn, microbatches=m, schedule=schedule,
+                                        dispatch="direct")(params, x, t)
+        got_l, got_g = client4.compute([loss, grads], sync=True)
+    want_l, want_g = jax.value_and_grad(loss_fn)(params, x, t)
+    np.testing.assert_allclose(got_l, want_l, rtol=1e-5)
+    close(got_g, want_g)
+    assert dd.remat_count(client4) == 0
+
+
+@pytest.mark.distributed
+def test_direct_graph_has_no_dask_edges_between_actions(client2: Any) -> None:
+    from dagdiff.direct import direct_task as dt
+
+    loss_fn = make_loss(2)
+    params, x, t = data(2)
+    with client2.as_current():
+        loss, _ = dd.value_and_grad(loss_fn, microbatches=4, schedule="1f1b")(params, x, t)
+    dsk = dict(loss.__dask_graph__())
+    direct = {k for k, v in dsk.items() if getattr(v, "func", None) is dt}
+    assert any(k.startswith("fwd_") for k in direct) and any(k.startswith("vjp_") for k in direct)
+    for k in direct:       # actions reach each other only through their inboxes
+        assert not (set(dsk[k].dependencies) & direct), k
+
+
+def _explode_fwd(w: Any, x: Any) -> Any:
+    x = np.asarray(x)
+    if np.any(x != 0):      # shapes are inferred on zeros: fail on real data only
+        raise RuntimeError("boom on purpose")
+    return x @ np.asarray(w), None
+
+
+def _explode_bwd(res: Any, ct: Any) -> Any:
+    return None, None
+
+
+exploding = dd.custom_layer(_explode_fwd, _explode_bwd, name="exploding")
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_a_failing_task_reaches_the_caller_and_the_cluster_goes_on(client2: Any) -> None:
+    def bad_loss(params: Any, x: Any, t: Any) -> Any:
+        with dd.stage(0):
+            h = _dense0(params[0], x)
+        with dd.stage(1):
+            h = exploding(params[1], h)
+            return _mse(h, t)
+
+    params = [jnp.eye(8), jnp.eye(8)]
+    x = jnp.ones((8, 8))
+    t0 = time.perf_counter()
+    with client2.as_current():
+        loss, grads = dd.value_and_grad(bad_loss, microbatches=4, schedule="1f1b")(params, x, x)
+        with pytest.raises(Exception, match="boom on purpose"):
+            client2.compute([loss, grads], sync=True)
+    assert time.perf_counter() - t0 < 60          # not the 600 s wait timeout
+    # the workers are free again: a good step runs
+    loss_fn = make_loss(2)
+    p2, x2, t2 = data(2)
+    with client2.as_current():
+        loss, grads = dd.value_and_grad(loss_fn, microbatches=4, schedule="1f1b")(p2, x2, t2)
+        got = client2.compute(loss, sync=True)
+    np.testing.assert_allclose(got, jax.value_and_grad(loss_fn)(p2, x2, t2)[0], rtol=1e-5)
+    # no direct task is left waiting on any worker
+    assert _waiting(client2) == 0
+
+
+@dd.layer
+def _dense0(w: Any, x: Any) -> Any:
+    return jnp.tanh(x @ w)
+
+
+@dd.layer
+def _mse(y: Any, t: Any) -> Any:
+    return jnp.mean((y - t) ** 2)
+
+
+def _running() -> int:
+    from dagdiff import direct
+
+    return len(direct._RUNNING)
+
+
+def _running_keys() -> list[str]:
+    from dagdiff import direct
+
+    return sorted(direct._RUNNING)
+
+
+def _waiting(client: Any, within: float = 10.0) -> int:
+    deadline = time.time() + within
+    while True:
+        n = sum(client.run(_running).values())
+        if n == 0 or time.time() > deadline:
+            if n:
+                print("still waiting:", client.run(_running_keys))
+            return n
+        time.sleep(0.2)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_a_cancelled_step_frees_its_waiting_tasks(client2: Any) -> None:
+    from dagdiff.simulated import sleepy_pipeline
+
+    fn = sleepy_pipeline(2, 0.3)          # 0.3 s forwards: the step is still running
+    params = [jnp.float32(1.0)] * 2
+    with client2.as_current():
+        loss, grads = dd.value_and_grad(fn, microbatches=4, schedule="1f1b")(
+            params, jnp.ones((4, 4)))
+        futures = client2.compute([loss, grads])
+        deadline = time.time() + 30
+        while sum(client2.run(_running).values()) == 0 and time.time() < deadline:
+            time.sleep(0.05)
+        assert sum(client2.run(_running).values()) > 0       # tasks are waiting
+        client2.cancel(futures)
+        del futures
+    assert _waiting(client2, within=20) == 0
+
+
+# --- the pieces, in process -------------------------------------------------------------
+
+def test_a_missing_input_times_out_with_the_facts() -> None:
+    info = DirectInfo(step="s-test", key="fwd_dense-s1-m0-n1-abc", where="slot1", pos=0,
+                      count=1, inputs=(("fwd_dense-s0-m0-n0-abc", "slot0"),),
+                      route=Route(0, ()), returns=True, timeout=0.3)
+    t0 = time.perf_counter()
+    with pytest.raises(dd.DirectDispatchError) as e:
+        direct_task(info, lambda v: v, _Inbox("fwd_dense-s0-m0-n0-abc"))
+    text = str(e.value)
+    assert time.perf_counter() - t0 < 5
+    assert "fwd_dense-s1-m0-n1-abc on slot1 waited 0.3 s" in text
+    assert "fwd_dense-s0-m0-n0-abc from slot0" in text and "dagdiff.direct.timeout" in text
+
+
+def test_channel_delivers_in_order_and_refuses_a_wrong_key() -> None:
+    got: list[Any] = []
+    done = threading.Event()
+
+    def handler(msg: dict[str, Any]) -> None:
+        got.append(msg)
+        if len(got) == 3:
+            done.set()
+
+    host, port, key = channel.start("127.0.0.1", handler)
+    for i in range(3):
+        channel.send((host, port, key), {"i": i, "value": np.arange(i + 1)})
+    assert done.wait(10)
+    assert [m["i"] for m in got] == [0, 1, 2]
+    np.testing.assert_array_equal(got[2]["value"], [0, 1, 2])
+    with pytest.raises(Exception):
+        channel.send((host, port + 0, b"not-the-key-0000"), {"i": 9})
+    time.sleep(0.2)
+    assert len(got) == 3
+
+
+# --- found while writing these tests ------------------------------------------------------
+
+def _double_fwd(x: Any) -> Any:
+    return 2.0 * np.asarray(x), None
+
+
+def _double_bwd(res: Any, ct: Any) -> Any:
+    return (2.0 * np.asarray(ct),)
+
+
+def test_custom_layers_are_not_fused_with_their_neighbours() -> None:
+    """Fusing runs a stage as one jitted function; a hand-written (NumPy) layer inside
+    it used to run its shape stand-in instead of its rules (zeros, no gradient)."""
+    import dask
+
+    double = dd.custom_layer(_double_fwd, _double_bwd, name="double",
+                             jax_fn=None)
+
+    def loss_fn(params: Any, x: Any, t: Any) -> Any:
+        with dd.stage(0):
+            h = _dense0(params[0], x)
+            h = double(h)
+            h = _dense0(params[1], h)
+        with dd.stage(1):
+            return _mse(h, t)
+
+    def reference(params: Any, x: Any, t: Any) -> Any:
+        h = jnp.tanh(x @ params[0]) * 2.0
+        h = jnp.tanh(h @ params[1])
+        return jnp.mean((h - t) ** 2)
+
+    k = jax.random.PRNGKey(3)
+    params = [jax.random.normal(k, (8, 8)) * 0.3, jax.random.normal(k + 1, (8, 8)) * 0.3]
+    x = jax.random.normal(k + 2, (8, 8))
+    t = jax.random.normal(k + 3, (8, 8))
+    loss, grads = dd.value_and_grad(loss_fn, microbatches=2, schedule="1f1b")(params, x, t)
+    got_l, got_g = dask.compute(loss, grads, scheduler="threads")
+    want_l, want_g = jax.value_and_grad(reference)(params, x, t)
+    np.testing.assert_allclose(got_l, want_l, rtol=1e-5)
+    close(got_g, want_g)
