@@ -279,8 +279,10 @@ def _pipelined(fn: Callable[..., Any], fname: str, argnums: Any, has_aux: bool, 
                                     tuple(sorted(full))))
         from dask.base import tokenize
 
-        token = token[:8] + tokenize(*full.values(), ensure_deterministic=False)[:8]
         targets, inputs, home = place(trace, client, placement, resident)
+        mode = resolve_dispatch(dispatch, client, targets)   # part of the keys: the two
+        token = token[:8] + tokenize(*full.values(), mode,   # modes' tasks differ
+                                     ensure_deterministic=False)[:8]
         pg = lower_pipeline(trace, plan, token, m, sched, full, axis, inputs, home, loss, aux,
                             dict(targets.of) if targets.kind == "devices" else None)
         keys = (OutKey(pg.loss_key),
@@ -291,7 +293,7 @@ def _pipelined(fn: Callable[..., Any], fname: str, argnums: Any, has_aux: bool, 
                     if isinstance(v, Traced) and v.node in pg.grad_keys else None,
                     a, is_leaf=lambda x: x is None) for a in targs])
         keep = None
-        if resolve_dispatch(dispatch, client, targets) == "direct":
+        if mode == "direct":
             keep = {k for k in jax.tree_util.tree_leaves(keys) if isinstance(k, OutKey)}
         graph = build_graph(pg.dsk, pg.stage_of, targets, token, pg.priority, keep)
         lk, ak, gk = to_delayed(graph, token, keys)
