@@ -283,6 +283,8 @@ def _pipelined(fn: Callable[..., Any], fname: str, argnums: Any, has_aux: bool, 
         mode = resolve_dispatch(dispatch, client, targets)   # part of the keys: the two
         token = token[:8] + tokenize(*full.values(), mode,   # modes' tasks differ
                                      ensure_deterministic=False)[:8]
+        if mode == "direct":
+            full = scatter_batch(client, targets, home, full)
         pg = lower_pipeline(trace, plan, token, m, sched, full, axis, inputs, home, loss, aux,
                             dict(targets.of) if targets.kind == "devices" else None)
         keys = (OutKey(pg.loss_key),
@@ -404,6 +406,23 @@ def _direct_graph(dsk: dict[str, Any], stage_of: Mapping[str, int | None], targe
     name = f"dagdiff-{token}"
     layer = MaterializedLayer(plan.dsk, annotations=annotations)
     return HighLevelGraph({name: layer}, {name: set()})
+
+
+def scatter_batch(client: Any, targets: Any, home: Mapping[int, int | None],
+                  full: dict[int, Any]) -> dict[int, Any]:
+    """Send the step's full-batch arrays to the workers of their first consumers ahead of
+    the graph (direct dispatch): the microbatch slices are then ready the moment the
+    step arrives, instead of one scheduler round trip later."""
+    out = dict(full)
+    for idx, value in full.items():
+        if not isinstance(value, (jax.Array, np.ndarray)):
+            continue
+        where = targets.target(home.get(idx))
+        addr = targets.addresses.get(where) if targets.kind == "slots" else where
+        if addr is None:
+            continue
+        out[idx] = (client.scatter(value, workers=[addr], hash=False), -1)
+    return out
 
 
 def resolve_dispatch(dispatch: str | None, client: Any, targets: Any) -> str:

@@ -265,12 +265,23 @@ def linearize(deps: Mapping[str, list[str]], worker_of: Mapping[str, str],
                       key=lambda k: (-priority[k], topo[k]))
         queues[w] = collections.deque(acts)
     order: dict[str, list[str]] = {w: [] for w in queues}
-    free = collections.deque(sorted((k for k in deps if k not in priority and not missing[k]),
-                                    key=topo.__getitem__))
+    # small tasks without inputs (microbatch slices) go right before their first
+    # consumer, so a worker's first action waits for one of them, not for all
+    lazy = {k for k in deps if k not in priority and not missing[k] and users.get(k)}
+    for k in lazy:
+        for u in users[k]:
+            missing[u] -= 1
+    free = collections.deque(sorted((k for k in deps if k not in priority and not missing[k]
+                                     and k not in lazy), key=topo.__getitem__))
     placed = 0
 
     def place(k: str) -> None:
         nonlocal placed
+        for d in deps[k]:
+            if d in lazy:            # its consumers no longer count it as missing
+                lazy.discard(d)
+                order[worker_of[d]].append(d)
+                placed += 1
         order[worker_of[k]].append(k)
         placed += 1
         for u in users.get(k, ()):
@@ -336,7 +347,7 @@ class _Entry:
     """A started direct task, waiting to be run by its own thread or by the thread that
     ran its predecessor on the worker."""
 
-    __slots__ = ("info", "func", "args", "kwargs", "state", "result", "error")
+    __slots__ = ("info", "func", "args", "kwargs", "state", "result", "error", "wake")
 
     def __init__(self, info: DirectInfo, func: Callable[..., Any], args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> None:
@@ -344,19 +355,34 @@ class _Entry:
         self.state = "new"                 # new -> running -> done
         self.result: Any = None
         self.error: BaseException | None = None
+        self.wake = threading.Event()      # set when something this task waits for changed
 
 
 class _Step:
     """One step's state on one worker: whose turn it is, started tasks, values and
-    errors received for them."""
+    errors received for them. Waiters sleep on their own entry's event and are woken one
+    by one (a step-wide condition woke every parked thread on every event)."""
 
     def __init__(self) -> None:
-        self.cond = threading.Condition()
+        self.cond = threading.Lock()
         self.turn = 0
         self.entries: dict[int, _Entry] = {}
         self.values: dict[str, list[Any]] = {}      # key -> [value, uses left]
         self.errors: dict[str, str] = {}
+        self.waiting: dict[str, _Entry] = {}        # input key -> the task waiting for it
         self.abort: str | None = None
+
+    def wake_turn(self) -> None:
+        """(lock held) Wake the task whose turn it now is."""
+        e = self.entries.get(self.turn)
+        if e is not None:
+            e.wake.set()
+
+    def wake_key(self, key: str) -> None:
+        """(lock held) Wake the task waiting for input `key`."""
+        e = self.waiting.get(key)
+        if e is not None:
+            e.wake.set()
 
 
 # state per (step, worker): several workers may share a process (processes=False)
@@ -411,7 +437,7 @@ def direct_task(info: DirectInfo, func: Callable[..., Any], /, *args: Any,
         _secede()
         mine = False
         try:
-            _wait(st, info, lambda: entry.state == "done" or (
+            _wait(st, entry, lambda: entry.state == "done" or (
                   entry.state == "new" and st.turn >= info.pos),
                   lambda: f"its turn (task {info.pos} of {info.count} on {info.where}; "
                           f"{st.turn} ran so far)")
@@ -429,7 +455,7 @@ def direct_task(info: DirectInfo, func: Callable[..., Any], /, *args: Any,
         if mine:
             _run_chain(st, entry)
         else:
-            _wait(st, info, lambda: entry.state == "done",
+            _wait(st, entry, lambda: entry.state == "done",
                   lambda: "the thread running it (ran by its predecessor's thread)")
     finally:
         _RUNNING.pop(info.key, None)
@@ -451,7 +477,7 @@ def _run_chain(st: _Step, entry: _Entry) -> None:
                 nxt.state = "running"
             else:
                 nxt = None
-            st.cond.notify_all()
+                st.wake_turn()
             last = st.turn >= info.count
         if last:
             _finish((info.step, info.where))
@@ -468,7 +494,7 @@ def _run(st: _Step, entry: _Entry) -> None:
 
     info = entry.info
     try:
-        got = {k: _take(st, info, k, src) for k, src in info.inputs}
+        got = {k: _take(st, entry, k, src) for k, src in info.inputs}
         a = [got[x.key] if isinstance(x, _Inbox) else x for x in entry.args]
         kw = {n: (got[v.key] if isinstance(v, _Inbox) else v)
               for n, v in entry.kwargs.items()}
@@ -496,7 +522,7 @@ def _settle(st: _Step, entry: _Entry, value: Any, error: BaseException | None) -
                 st.values[info.key] = [value, info.route.local]
             else:
                 st.errors[info.key] = msg
-            st.cond.notify_all()
+            st.wake_key(info.key)
     try:
         _send(info, value, msg)
     except DirectDispatchError as e:
@@ -506,14 +532,14 @@ def _settle(st: _Step, entry: _Entry, value: Any, error: BaseException | None) -
         entry.state, entry.result, entry.error = "done", value, error
         entry.args = entry.kwargs = None      # type: ignore[assignment]  (free inputs)
         st.entries.pop(info.pos, None)
-        st.cond.notify_all()
+        entry.wake.set()
 
 
 def _next(st: _Step, info: DirectInfo) -> None:
     """Pass the turn on after a task that ended without running (abort, timeout)."""
     with st.cond:
         st.turn = max(st.turn, info.pos + 1)
-        st.cond.notify_all()
+        st.wake_turn()
         last = st.turn >= info.count
     if last:
         _finish((info.step, info.where))
@@ -533,38 +559,48 @@ def _secede() -> None:
         pass
 
 
-def _take(st: _Step, info: DirectInfo, key: str, src: str) -> Any:
-    _wait(st, info, lambda: key in st.values or key in st.errors,
-          lambda: f"input {key} from {src}")
+def _take(st: _Step, entry: _Entry, key: str, src: str) -> Any:
+    with st.cond:
+        st.waiting[key] = entry
+    try:
+        _wait(st, entry, lambda: key in st.values or key in st.errors,
+              lambda: f"input {key} from {src}")
+    finally:
+        with st.cond:
+            st.waiting.pop(key, None)
     with st.cond:
         if key in st.errors:
             raise UpstreamError(st.errors[key])
-        entry = st.values[key]
-        entry[1] -= 1
-        if entry[1] <= 0:
+        value = st.values[key]
+        value[1] -= 1
+        if value[1] <= 0:
             del st.values[key]
-        return entry[0]
+        return value[0]
 
 
-def _wait(st: _Step, info: DirectInfo, ready: Callable[[], bool],
+def _wait(st: _Step, entry: _Entry, ready: Callable[[], bool],
           what: Callable[[], str]) -> None:
+    """Sleep on the entry's event until `ready()` (checked under the step's lock); raise
+    on abort or after the entry's timeout, saying what was awaited."""
     import time as _time
 
-    with st.cond:
-        if ready():
-            return
-        deadline = _time.monotonic() + info.timeout
-        while not ready():
+    info = entry.info
+    deadline = _time.monotonic() + info.timeout
+    while True:
+        with st.cond:
+            if ready():
+                return
             if st.abort is not None:
                 raise DirectDispatchError(f"{info.key} on {info.where}: {st.abort}")
-            left = deadline - _time.monotonic()
-            if left <= 0:
-                raise DirectDispatchError(
-                    f"{info.key} on {info.where} waited {info.timeout:g} s for {what()}: a "
-                    "worker was lost or restarted mid-step, or an upstream task hangs. Run "
-                    "the step again; raise dask config 'dagdiff.direct.timeout' if tasks "
-                    "legitimately take longer; dispatch='scheduler' recomputes lost work.")
-            st.cond.wait(min(left, 1.0))
+            entry.wake.clear()
+        left = deadline - _time.monotonic()
+        if left <= 0:
+            raise DirectDispatchError(
+                f"{info.key} on {info.where} waited {info.timeout:g} s for {what()}: a "
+                "worker was lost or restarted mid-step, or an upstream task hangs. Run "
+                "the step again; raise dask config 'dagdiff.direct.timeout' if tasks "
+                "legitimately take longer; dispatch='scheduler' recomputes lost work.")
+        entry.wake.wait(min(left, 1.0))
 
 
 def _send(info: DirectInfo, value: Any, error: str | None) -> None:
@@ -640,7 +676,7 @@ def _deliver(msg: dict[str, Any]) -> None:
             st.values[msg["key"]] = [msg["value"], msg["uses"]]
         else:
             st.errors[msg["key"]] = msg["error"]
-        st.cond.notify_all()
+        st.wake_key(msg["key"])
 
 
 def _put(step: str, where: str, key: str, value: Any = None, uses: int = 1,
@@ -660,7 +696,8 @@ def _abort(step: tuple[str, str], reason: str) -> None:
     with st.cond:
         if st.abort is None:
             st.abort = reason
-        st.cond.notify_all()
+        for e in st.entries.values():
+            e.wake.set()
     _finish(step)
 
 

@@ -21,7 +21,7 @@ import numpy as np
 from dask._task_spec import DataNode, Task, TaskRef
 
 from .api import (OutKey, _argnames, _check_loss, build_graph, current_client, prepare,
-                  resolve_dispatch, to_delayed, trace_call)
+                  resolve_dispatch, scatter_batch, to_delayed, trace_call)
 from .backward import build_backward
 from .errors import MicrobatchError
 from .keys import make_key
@@ -259,6 +259,8 @@ class Trainer:
             state = self._place(state, model)
         r_count, m = self.replicas, self.microbatches
         targets = self._targets(model)
+        direct = (self.schedule is not None
+                  and resolve_dispatch(self.dispatch, self.client, targets) == "direct")
         token = trace_token(model.trace, ("step", state.step, self._uid))
         dsk: dict[str, Any] = {}
         stage_of: dict[str, int | None] = {}
@@ -284,6 +286,8 @@ class Trainer:
                 full[node_idx] = _shard(x, self.batch_axis, r, r_count)
             home = {k: (v + r * model.p if v is not None else None)
                     for k, v in model.home.items()}
+            if direct:
+                full = scatter_batch(self.client, targets, home, full)
             rtoken = f"{token[:12]}{r:04x}"
             pg = lower_pipeline(shifted, model.plan, rtoken, m, self.schedule, full,
                                 self.batch_axis, resident, home, model.loss, None,
@@ -329,10 +333,7 @@ class Trainer:
         lk = make_key("loss", "step", state.step, token)
         dsk[lk] = Task(lk, mean_task, *map(TaskRef, replica_loss))
         stage_of[lk] = None
-        keep = None
-        if (self.schedule is not None
-                and resolve_dispatch(self.dispatch, self.client, targets) == "direct"):
-            keep = {lk, *new_placed.values()}
+        keep = {lk, *new_placed.values()} if direct else None
         graph = build_graph(dsk, stage_of, targets, token, priority, keep, self.client)
         outs = to_delayed(graph, token, [OutKey(lk)] + [OutKey(k) for k in new_placed.values()])
         if self.client is None:

@@ -37,7 +37,8 @@ def test_linearize_keeps_schedule_order_and_places_small_tasks_when_ready() -> N
     order = linearize(deps, worker, prio)
     assert [k for k in order["w0"] if k in prio] == ["F00", "F01", "B00", "B01"]
     assert [k for k in order["w1"] if k in prio] == ["F10", "B10", "F11", "B11"]
-    assert order["w0"][:2] == ["split0", "split1"]               # no inputs: first
+    # no inputs: right before the first task that needs them
+    assert order["w0"][:4] == ["split0", "F00", "split1", "F01"]
     assert order["w1"] == ["F10", "loss0", "B10", "F11", "loss1", "B11"]
     w0 = order["w0"]
     assert w0.index("acc0") == w0.index("B00") + 1             # right after its input
