@@ -387,16 +387,14 @@ def _direct_graph(dsk: dict[str, Any], stage_of: Mapping[str, int | None], targe
         ensure_colocation(client)      # the workers' direct-dispatch handlers and channel
     worker_of = {k: targets.target(s) for k, s in stage_of.items()}
     slots = targets.kind == "slots"
-    done_worker = next((worker_of[k] for k in sorted(keep) if worker_of.get(k)), None)
     used = {worker_of[k] for k in dsk if worker_of.get(k)}
     addrs = {targets.addresses[w] if slots else w for w in used if not slots
              or w in targets.addresses}
     plan = rewrite(dsk, worker_of, priority, keep, targets.addresses, token,
-                   done_worker=done_worker, slots=slots,
+                   slots=slots,
                    endpoints=endpoints(client, addrs))
     where = {k: w for k, w in worker_of.items() if w is not None}
-    if plan.done_key is not None and done_worker is not None:
-        where[plan.done_key] = done_worker
+    where.update(plan.done_keys)
     prio = {**priority, **plan.priority}
     annotations: dict[str, Any] = {"priority": prio.get}
     if slots:   # shares: a direct task waiting for its turn keeps its resources

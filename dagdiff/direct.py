@@ -14,9 +14,10 @@ lose their Dask dependencies on each other and get
   values arrive through one direct message (the ``dagdiff_put`` worker handler);
 * a route for their own value: local consumers, and each other worker that reads it.
 
-Tasks read by ordinary tasks (the step's outputs) still return their value to Dask;
-the others return None and feed one ``done`` task that every output waits for, so a
-failure anywhere reaches the caller. Failures travel downstream as error messages,
+Tasks read by ordinary tasks (the step's outputs) still return their value to Dask,
+the others return None; one ``done`` task per worker depends on all of the worker's
+tasks and every output waits for all of them, so a failure anywhere reaches the caller
+and no task of a step is released while any of its outputs is wanted. Failures travel downstream as error messages,
 cancelled steps wake their waiters, and every wait has a deadline
 (``dagdiff.direct.timeout``, default 600 s): nothing waits forever.
 """
@@ -128,12 +129,12 @@ class DirectPlan:
     order: dict[str, list[str]]        # worker -> direct keys in run order
     priority: dict[str, int]
     resources: dict[str, dict[str, float]]
-    done_key: str | None
+    done_keys: dict[str, str]          # completion task -> its worker
 
 
 def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
             priority: Mapping[str, int], keep: set[str], addresses: Mapping[str, str],
-            token: str, done_worker: str | None = None, slots: bool = True,
+            token: str, slots: bool = True,
             timeout: float | None = None,
             endpoints: Mapping[str, Any] | None = None) -> DirectPlan:
     """Turn every task that has a worker (and is not in `keep`, the step's outputs, and
@@ -156,7 +157,7 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
         if all(d in direct or d not in dsk or isinstance(dsk[d], DataNode) for d in deps):
             direct.add(key)
     if not direct:
-        return DirectPlan(dsk, {}, {}, {}, None)
+        return DirectPlan(dsk, {}, {}, {}, {})
     missing = sorted({w for k in direct if (w := worker_of[k]) not in addresses})
     if missing and slots:
         raise PlacementError(f"direct dispatch: no worker address for {', '.join(missing)}; "
@@ -195,15 +196,22 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
         out_priority[k] = base - pos[k]
         if slots:
             resources[k] = {w: RESOURCE_SHARE}
-    done_key = make_key("done", "step", 0, token)
-    markers = sorted(k for k in direct if k not in returns)
-    dsk[done_key] = Task(done_key, _done, *[TaskRef(k) for k in markers])
+    # One completion task per worker over all of its direct tasks (local: nothing moves),
+    # and every output waits for all of them: while any output is wanted no task of the
+    # step is released (a released task would never take its turn), and a failure
+    # anywhere reaches every output.
+    done_keys: dict[str, str] = {}
+    for i, w in enumerate(sorted(order)):
+        dk = make_key("done", "step", i, token)
+        dsk[dk] = Task(dk, _done, *[TaskRef(k) for k in order[w]])
+        done_keys[dk] = w
+        if slots:
+            resources[dk] = {w: RESOURCE_SHARE}
+    refs = [TaskRef(dk) for dk in done_keys]
     for k, t in list(dsk.items()):
         if k in keep and isinstance(t, Task):
-            dsk[k] = Task(k, _after, TaskRef(done_key), t.func, *t.args, **t.kwargs)
-    if done_worker is not None and slots:
-        resources[done_key] = {done_worker: RESOURCE_SHARE}
-    return DirectPlan(dsk, order, out_priority, resources, done_key)
+            dsk[k] = Task(k, _after, len(refs), *refs, t.func, *t.args, **t.kwargs)
+    return DirectPlan(dsk, order, out_priority, resources, done_keys)
 
 
 def _ordering_only(name: str, value: Any, direct: set[str]) -> bool:
@@ -331,13 +339,14 @@ def _timeout() -> float:
     return float(parse_timedelta(dask.config.get("dagdiff.direct.timeout", "600s")))
 
 
-def _done(*markers: Any) -> None:
-    """Completion of a direct step (its inputs are the tasks nobody else reads)."""
+def _done(*values: Any) -> None:
+    """Completion of a direct step on one worker (its inputs: all the worker's tasks)."""
     return None
 
 
-def _after(done: Any, func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """An output task that also waits for the step's completion task."""
+def _after(n: int, *rest: Any, **kwargs: Any) -> Any:
+    """An output task that also waits for the step's `n` completion tasks."""
+    func, args = rest[n], rest[n + 1:]
     return func(*args, **kwargs)
 
 
