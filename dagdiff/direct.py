@@ -17,9 +17,9 @@ lose their Dask dependencies on each other and get
 Tasks read by ordinary tasks (the step's outputs) still return their value to Dask,
 the others return None; one ``done`` task per worker depends on all of the worker's
 tasks and every output waits for all of them, so a failure anywhere reaches the caller
-and no task of a step is released while any of its outputs is wanted. Failures travel downstream as error messages,
-cancelled steps wake their waiters, and every wait has a deadline
-(``dagdiff.direct.timeout``, default 600 s): nothing waits forever.
+and no task of a step is released while any of its outputs is wanted. Failures travel
+downstream as error messages, cancelled steps wake their waiters, and every wait has a
+deadline (``dagdiff.direct.timeout``, default 600 s): nothing waits forever.
 """
 from __future__ import annotations
 
