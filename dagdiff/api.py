@@ -379,12 +379,9 @@ def _direct_graph(dsk: dict[str, Any], stage_of: Mapping[str, int | None], targe
                   client: Any) -> HighLevelGraph:
     from dask.highlevelgraph import MaterializedLayer
 
-    from .colocate import ensure_colocation
     from .direct import RESOURCE_SHARE, endpoints, rewrite
 
     client = client or current_client()
-    if client is not None:
-        ensure_colocation(client)      # the workers' direct-dispatch handlers and channel
     worker_of = {k: targets.target(s) for k, s in stage_of.items()}
     slots = targets.kind == "slots"
     used = {worker_of[k] for k in dsk if worker_of.get(k)}
@@ -424,12 +421,28 @@ def scatter_batch(client: Any, targets: Any, home: Mapping[int, int | None],
 
 
 def resolve_dispatch(dispatch: str | None, client: Any, targets: Any) -> str:
-    """'direct' or 'scheduler' for a pipeline step (None: direct on a cluster)."""
+    """'direct' or 'scheduler' for a pipeline step (None: direct on a cluster whose
+    workers all run dagdiff's channel - TCP workers with dagdiff loaded)."""
     if dispatch not in (None, "direct", "scheduler"):
         raise ValueError(f"dispatch must be 'direct', 'scheduler' or None, got {dispatch!r}")
-    if client is None or targets.kind not in ("slots", "workers"):
+    if client is None or targets.kind not in ("slots", "workers") or dispatch == "scheduler":
         return "scheduler"
-    return dispatch or "direct"
+    from .colocate import ensure_colocation
+    from .direct import endpoints
+
+    ensure_colocation(client)          # the workers' direct-dispatch channel
+    addrs = set((targets.addresses if targets.kind == "slots" else targets.of).values())
+    eps = endpoints(client, addrs)
+    if not eps or any(v is None for v in eps.values()):
+        if dispatch == "direct":
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "dagdiff: dispatch='direct' needs every worker on TCP with dagdiff loaded "
+                "(--preload dagdiff); workers without a channel: %s. Using "
+                "dispatch='scheduler'.", sorted(a for a, v in eps.items() if v is None))
+        return "scheduler"
+    return "direct"
 
 
 def _result_keys(low: Lowered, trace: Trace, loss: Traced, aux: Any, targs: list[Any],

@@ -46,7 +46,8 @@ def _slotted(base: type) -> type:
             for name, d in super().new_worker_spec().items():  # d is shared: copy it
                 opts = dict(d["options"])
                 opts["resources"] = {**(opts.get("resources") or {}), f"slot{name}": 1}
-                if self.dagdiff_worker_config:  # a nanny's config replaces the worker's
+                nanny = getattr(d.get("cls"), "__name__", "") == "Nanny"
+                if self.dagdiff_worker_config and nanny:  # its config replaces the worker's
                     import dask
 
                     opts["config"] = dask.config.merge(dask.config.config,
@@ -121,6 +122,9 @@ def local_cluster(
     if base is not LocalCluster:  # dask-cuda sets CUDA_VISIBLE_DEVICES per worker itself
         options.pop("threads_per_worker")
     options.update(kwargs)
+    if options.get("processes") is False:   # in-process workers: inproc://, one environment
+        options.pop("host", None)
+        options.pop("env", None)
     cluster = cls(**options)
     cluster.scale(n)
     cluster.sync(cluster._correct_state)

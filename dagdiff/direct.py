@@ -11,7 +11,7 @@ lose their Dask dependencies on each other and get
   (microbatch slices, sums, accumulators) where a simulated run of the schedule first has
   their inputs (`linearize`, which also rejects a schedule that would deadlock);
 * an inbox per input: same-worker values are handed over in process, other workers'
-  values arrive through one direct message (the ``dagdiff_put`` worker handler);
+  values arrive through one direct message (`dagdiff.channel`);
 * a route for their own value: local consumers, and each other worker that reads it.
 
 Tasks read by ordinary tasks (the step's outputs) still return their value to Dask,
@@ -76,8 +76,8 @@ class Remote:
     """Consumers of a value on another worker."""
 
     where: str                    # the worker's slot (or address)
-    address: str                  # its Dask address (fallback transport: Dask RPC)
-    endpoint: Any                 # its `dagdiff.channel` endpoint, or None
+    address: str                  # its Dask address
+    endpoint: Any                 # its `dagdiff.channel` endpoint
     uses: int                     # consumer tasks there
 
 
@@ -143,7 +143,7 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
     `worker_of`: key -> slot name (or address when `slots` is False); `priority`: the
     schedule's priorities (higher runs earlier on its worker; keys without one are small
     tasks placed where their inputs are ready); `addresses`: slot -> worker address;
-    `endpoints`: worker address -> its `dagdiff.channel` endpoint (None: Dask RPC)."""
+    `endpoints`: worker address -> its `dagdiff.channel` endpoint."""
     if timeout is None:
         timeout = _timeout()
     dsk = dict(dsk)
@@ -623,12 +623,11 @@ def _send(info: DirectInfo, value: Any, error: str | None) -> None:
         msg = {"step": info.step, "where": r.where, "key": info.key, "uses": r.uses,
                "error": error, "value": wire}
         try:
-            if r.endpoint is not None:
-                from .channel import send
+            if r.endpoint is None:
+                raise DirectDispatchError(f"no dagdiff channel on {r.address}")
+            from .channel import send
 
-                send(r.endpoint, msg)
-            else:
-                _send_rpc(r, msg)
+            send(r.endpoint, msg)
         except Exception as e:
             failed.append(f"{r.where} at {r.address} ({type(e).__name__}: {e})")
     if failed:
@@ -658,23 +657,6 @@ def _wire(value: Any) -> Any:
     return host(value)
 
 
-def _send_rpc(r: Remote, msg: dict[str, Any]) -> None:
-    """Fallback transport (no channel endpoint, e.g. TLS clusters): distributed's RPC,
-    waited for from this task thread."""
-    from distributed import get_worker
-    from distributed.protocol import to_serialize
-    from distributed.utils import sync
-
-    worker = get_worker()
-    if msg["value"] is not None:
-        msg = {**msg, "value": to_serialize(msg["value"])}
-
-    async def go() -> Any:
-        return await worker.rpc(r.address).dagdiff_put(**msg)
-
-    sync(worker.loop, go)
-
-
 def _deliver(msg: dict[str, Any]) -> None:
     """A value (or error) for consumers of `msg['key']` on worker `msg['where']`."""
     st = _step((msg["step"], msg["where"]))
@@ -686,13 +668,6 @@ def _deliver(msg: dict[str, Any]) -> None:
         else:
             st.errors[msg["key"]] = msg["error"]
         st.wake_key(msg["key"])
-
-
-def _put(step: str, where: str, key: str, value: Any = None, uses: int = 1,
-         error: str | None = None) -> None:
-    """Handler ``dagdiff_put`` (the RPC transport)."""
-    _deliver({"step": step, "where": where, "key": key, "value": value, "uses": uses,
-              "error": error})
 
 
 def _abort(step: tuple[str, str], reason: str) -> None:
@@ -719,9 +694,8 @@ def cancelled(key: str) -> None:
 
 
 def install_handlers(worker: Any) -> None:
-    """Register the ``dagdiff_put`` handler on a worker and start this process's channel
-    listener (TCP workers only; others use the RPC transport)."""
-    worker.handlers["dagdiff_put"] = _put
+    """Start this worker process's channel listener (TCP workers only; on other
+    transports pipelines use dispatch='scheduler')."""
     address = getattr(worker, "address", "") or ""
     if address.startswith("tcp://"):
         from distributed.comm import get_address_host
@@ -729,9 +703,10 @@ def install_handlers(worker: Any) -> None:
         from .channel import start
 
         try:
-            start(get_address_host(address), _deliver)
+            worker._dagdiff_channel = start(get_address_host(address), _deliver)
         except OSError as e:
-            log.warning("dagdiff: no direct channel on %s (%s); using Dask RPC", address, e)
+            log.warning("dagdiff: no direct channel on %s (%s); pipelines will use "
+                        "dispatch='scheduler'", address, e)
 
 
 _ENDPOINTS: "weakref.WeakKeyDictionary[Any, dict[str, Any]]" = weakref.WeakKeyDictionary()
@@ -739,7 +714,7 @@ _ENDPOINTS: "weakref.WeakKeyDictionary[Any, dict[str, Any]]" = weakref.WeakKeyDi
 
 def endpoints(client: Any, addresses: set[str]) -> dict[str, Any]:
     """Channel endpoint per worker address (asked once per worker through `Client.run`;
-    a worker without one gets None and the RPC transport)."""
+    None for a worker without one)."""
     if client is None or not addresses:
         return {}
     cache = _ENDPOINTS.setdefault(client, {})
@@ -752,11 +727,9 @@ def endpoints(client: Any, addresses: set[str]) -> dict[str, Any]:
     return {a: cache.get(a) for a in addresses}
 
 
-def endpoint() -> Any:
-    """This worker process's channel endpoint (run on workers through `Client.run`)."""
-    from .channel import endpoint as ep
-
-    return ep()
+def endpoint(dask_worker: Any = None) -> Any:
+    """This worker's channel endpoint, or None (run on workers through `Client.run`)."""
+    return getattr(dask_worker, "_dagdiff_channel", None)
 
 
 def compute_log(keys: Any = None, dask_worker: Any = None) -> dict[str, tuple[float, float]]:

@@ -229,9 +229,9 @@ def _from_stream(rec: Recording, data: list[dict[str, Any]],
             action = ss.get("action")
             if action == "compute":
                 start, stop = ss["start"], ss["stop"]
-                inner = direct.get(d["key"])
-                if inner is not None and start - 0.05 <= inner[0] <= inner[1] <= stop + 0.05:
-                    start, stop = inner
+                # a direct task's own compute interval (keys are unique per step; the
+                # newest entry of a recomputed key is the one logged last)
+                start, stop = direct.get(d["key"], (start, stop))
                 rows.append((d["key"], d["worker"], start, stop, *_classify(d["key"])))
             elif action == "transfer":
                 rows.append((d["key"], d["worker"], ss["start"], ss["stop"], "transfer",

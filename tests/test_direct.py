@@ -315,3 +315,32 @@ def test_trainer_steps_in_flight_with_dropped_losses_match_scheduler_dispatch(
             state, _ = tr.step(state, x + 0.1 * i, t)   # the loss Future is dropped
         final[dispatch] = tr.params(state)
     close(final["direct"], final["scheduler"])
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_in_process_workers_fall_back_to_scheduler_dispatch() -> None:
+    """processes=False: workers talk inproc:// and have no TCP channel, so pipelines use
+    scheduler dispatch (and stay correct)."""
+    from dagdiff.direct import direct_task as dt
+
+    from distributed import Client
+
+    cluster = dd.local_cluster(n_workers=2, dashboard_address=None, quiet=True,
+                               processes=False)
+    client = Client(cluster, set_as_default=False)
+    try:
+        loss_fn = make_loss(2)
+        params, x, t = data(2)
+        with client.as_current():
+            loss, grads = dd.value_and_grad(loss_fn, microbatches=4, schedule="1f1b")(
+                params, x, t)
+            got_l, got_g = client.compute([loss, grads], sync=True)
+        funcs = {getattr(v, "func", None) for v in dict(loss.__dask_graph__()).values()}
+        assert dt not in funcs
+        want_l, want_g = jax.value_and_grad(loss_fn)(params, x, t)
+        np.testing.assert_allclose(got_l, want_l, rtol=1e-5)
+        close(got_g, want_g)
+    finally:
+        client.close()
+        cluster.close()
