@@ -34,7 +34,7 @@ __version__ = "0.1.0"
 
 def dask_setup(worker: object) -> None:
     """Preload hook (``dask worker --preload dagdiff``, and dd.local_cluster's workers):
-    install the direct-dispatch handlers and channel before any task arrives."""
+    start the worker's direct-dispatch channel before any task arrives."""
     from .direct import install_handlers
 
     install_handlers(worker)

@@ -203,8 +203,7 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
     fname = getattr(fn, "__name__", "fn")
     if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
         raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
-    if dispatch not in (None, "direct", "scheduler"):
-        raise ValueError(f"dispatch must be 'direct', 'scheduler' or None, got {dispatch!r}")
+    check_dispatch(dispatch)
     if microbatches > 1 or schedule is not None:
         from .pipeline import resolve_schedule
 
@@ -384,11 +383,8 @@ def _direct_graph(dsk: dict[str, Any], stage_of: Mapping[str, int | None], targe
     client = client or current_client()
     worker_of = {k: targets.target(s) for k, s in stage_of.items()}
     slots = targets.kind == "slots"
-    used = {worker_of[k] for k in dsk if worker_of.get(k)}
-    addrs = {targets.addresses[w] if slots else w for w in used if not slots
-             or w in targets.addresses}
-    plan = rewrite(dsk, worker_of, priority, keep, targets.addresses, token,
-                   slots=slots,
+    addrs = set((targets.addresses if slots else targets.of).values())
+    plan = rewrite(dsk, worker_of, priority, keep, targets.addresses, token, slots=slots,
                    endpoints=endpoints(client, addrs))
     where = {k: w for k, w in worker_of.items() if w is not None}
     where.update(plan.done_keys)
@@ -420,11 +416,17 @@ def scatter_batch(client: Any, targets: Any, home: Mapping[int, int | None],
     return out
 
 
+def check_dispatch(dispatch: str | None) -> str | None:
+    """Validate a `dispatch=` option."""
+    if dispatch not in (None, "direct", "scheduler"):
+        raise ValueError(f"dispatch must be 'direct', 'scheduler' or None, got {dispatch!r}")
+    return dispatch
+
+
 def resolve_dispatch(dispatch: str | None, client: Any, targets: Any) -> str:
     """'direct' or 'scheduler' for a pipeline step (None: direct on a cluster whose
     workers all run dagdiff's channel - TCP workers with dagdiff loaded)."""
-    if dispatch not in (None, "direct", "scheduler"):
-        raise ValueError(f"dispatch must be 'direct', 'scheduler' or None, got {dispatch!r}")
+    check_dispatch(dispatch)
     if client is None or targets.kind not in ("slots", "workers") or dispatch == "scheduler":
         return "scheduler"
     from .colocate import ensure_colocation

@@ -81,8 +81,8 @@ class ColocateVJP(SchedulerPlugin):
 
 class LoadDagdiff(WorkerPlugin):
     """Import dagdiff on every worker (present and future) so that its serializers for
-    jax arrays are registered before any data arrives; install the direct-dispatch
-    handlers (``dagdiff_put``, ``dagdiff_abort``)."""
+    jax arrays are registered before any data arrives; start the worker's
+    direct-dispatch channel."""
 
     name = "dagdiff-load"
 

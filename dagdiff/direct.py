@@ -122,13 +122,12 @@ class _Inbox:
 
 @dataclasses.dataclass
 class DirectPlan:
-    """The rewritten graph: tasks, the worker order per worker, per-key priorities and
-    resource annotations, and the key of the step's completion task."""
+    """The rewritten graph: tasks, the order per worker, per-key priorities, and the
+    step's completion tasks."""
 
     dsk: dict[str, Any]
     order: dict[str, list[str]]        # worker -> direct keys in run order
     priority: dict[str, int]
-    resources: dict[str, dict[str, float]]
     done_keys: dict[str, str]          # completion task -> its worker
 
 
@@ -147,37 +146,34 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
     if timeout is None:
         timeout = _timeout()
     dsk = dict(dsk)
+    deps_of = {k: _deps(t) if isinstance(t, Task) else [] for k, t in dsk.items()}
     direct: set[str] = set()
-    for key in _topological({k: _Deps(_deps(t) if isinstance(t, Task) else [])
-                             for k, t in dsk.items()}):
-        t = dsk[key]
-        if not isinstance(t, Task) or key in keep or worker_of.get(key) is None:
+    for key in _topological({k: _Deps(v) for k, v in deps_of.items()}):
+        if not isinstance(dsk[key], Task) or key in keep or worker_of.get(key) is None:
             continue
-        deps = _deps(t)
-        if all(d in direct or d not in dsk or isinstance(dsk[d], DataNode) for d in deps):
+        if all(d in direct or d not in dsk or isinstance(dsk[d], DataNode)
+               for d in deps_of[key]):
             direct.add(key)
     if not direct:
-        return DirectPlan(dsk, {}, {}, {}, {})
+        return DirectPlan(dsk, {}, {}, {})
+    inbox = {k: [d for d in deps_of[k] if d in direct] for k in direct}
     missing = sorted({w for k in direct if (w := worker_of[k]) not in addresses})
     if missing and slots:
         raise PlacementError(f"direct dispatch: no worker address for {', '.join(missing)}; "
                              "is every slot's worker running?")
     addr = (lambda w: addresses[w]) if slots else (lambda w: w)
     readers: dict[str, list[str]] = collections.defaultdict(list)
-    for k in direct:
-        for d in _deps(dsk[k]):
-            if d in direct:
-                readers[d].append(k)
+    for k, ds in inbox.items():
+        for d in ds:
+            readers[d].append(k)
     returns = {d for k, t in dsk.items() if k not in direct and isinstance(t, Task)
                for d in t.dependencies if d in direct}
-    order = linearize({k: [d for d in _deps(dsk[k]) if d in direct] for k in direct},
-                      {k: worker_of[k] for k in direct},
+    order = linearize(inbox, {k: worker_of[k] for k in direct},
                       {k: priority[k] for k in direct if k in priority})
     pos = {k: i for keys in order.values() for i, k in enumerate(keys)}
     step = f"{token}-{uuid.uuid4().hex[:12]}"
     base = -10_000_000 * next(_COUNTER)      # later steps rank below earlier ones on every worker
     out_priority: dict[str, int] = {}
-    resources: dict[str, dict[str, float]] = {}
     for k in direct:
         t, w = dsk[k], worker_of[k]
         by_worker = collections.Counter(worker_of[c] for c in readers.get(k, ()))
@@ -185,7 +181,7 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
         route = Route(local, tuple(
             Remote(ww, addr(ww), (endpoints or {}).get(addr(ww)), n)
             for ww, n in sorted(by_worker.items())))
-        inputs = tuple((d, worker_of[d]) for d in dict.fromkeys(_deps(t)) if d in direct)
+        inputs = tuple((d, worker_of[d]) for d in inbox[k])
         info = DirectInfo(step, k, w, pos[k], len(order[w]), inputs, route, k in returns,
                           timeout)
         args = tuple(_Inbox(a.key) if isinstance(a, TaskRef) and a.key in direct else a
@@ -194,8 +190,6 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
                   for n, v in t.kwargs.items() if not _ordering_only(n, v, direct)}
         dsk[k] = Task(k, direct_task, info, t.func, *args, **kwargs)
         out_priority[k] = base - pos[k]
-        if slots:
-            resources[k] = {w: RESOURCE_SHARE}
     # One completion task per worker over all of its direct tasks (local: nothing moves),
     # and every output waits for all of them: while any output is wanted no task of the
     # step is released (a released task would never take its turn), and a failure
@@ -205,13 +199,11 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
         dk = make_key("done", "step", i, token)
         dsk[dk] = Task(dk, _done, *[TaskRef(k) for k in order[w]])
         done_keys[dk] = w
-        if slots:
-            resources[dk] = {w: RESOURCE_SHARE}
     refs = [TaskRef(dk) for dk in done_keys]
     for k, t in list(dsk.items()):
         if k in keep and isinstance(t, Task):
             dsk[k] = Task(k, _after, len(refs), *refs, t.func, *t.args, **t.kwargs)
-    return DirectPlan(dsk, order, out_priority, resources, done_keys)
+    return DirectPlan(dsk, order, out_priority, done_keys)
 
 
 def _ordering_only(name: str, value: Any, direct: set[str]) -> bool:
@@ -224,10 +216,7 @@ def _deps(t: Task) -> list[str]:
     """Data dependencies of a task (ordering-only `after_` edges left out)."""
     skip = {v.key for n, v in t.kwargs.items()
             if n.startswith("after_") and isinstance(v, TaskRef)}
-    data = {a.key for a in t.args if isinstance(a, TaskRef)}
-    data |= {v.key for n, v in t.kwargs.items()
-             if isinstance(v, TaskRef) and not n.startswith("after_")}
-    return sorted((set(t.dependencies) - skip) | data)
+    return sorted(set(t.dependencies) - skip)
 
 
 def _topological(dsk: Mapping[str, Any]) -> list[str]:

@@ -202,8 +202,7 @@ def _direct_times(client: Any, data: list[dict[str, Any]]) -> dict[str, tuple[fl
     stream counts the wait for a task's turn and inputs as compute time."""
     from .direct import compute_log
 
-    keys = sorted({d["key"] for d in data if isinstance(d.get("key"), str)
-                   and d["key"].split("_", 1)[0] in _DIRECT_PREFIXES})
+    keys = sorted({d["key"] for d in data if isinstance(d.get("key"), str)})
     if not keys:
         return {}
     try:
@@ -216,10 +215,6 @@ def _direct_times(client: Any, data: list[dict[str, Any]]) -> dict[str, tuple[fl
     return out
 
 
-_DIRECT_PREFIXES = {"fwd", "vjp", "igrad", "wgrad", "add", "acc", "split", "loss", "aux",
-                    "grad", "reduce"}
-
-
 def _from_stream(rec: Recording, data: list[dict[str, Any]],
                  direct: dict[str, tuple[float, float]] | None = None) -> None:
     rows = []
@@ -228,10 +223,9 @@ def _from_stream(rec: Recording, data: list[dict[str, Any]],
         for ss in d.get("startstops", ()):
             action = ss.get("action")
             if action == "compute":
-                start, stop = ss["start"], ss["stop"]
                 # a direct task's own compute interval (keys are unique per step; the
                 # newest entry of a recomputed key is the one logged last)
-                start, stop = direct.get(d["key"], (start, stop))
+                start, stop = direct.get(d["key"], (ss["start"], ss["stop"]))
                 rows.append((d["key"], d["worker"], start, stop, *_classify(d["key"])))
             elif action == "transfer":
                 rows.append((d["key"], d["worker"], ss["start"], ss["stop"], "transfer",

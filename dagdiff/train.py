@@ -20,8 +20,8 @@ import jax
 import numpy as np
 from dask._task_spec import DataNode, Task, TaskRef
 
-from .api import (OutKey, _argnames, _check_loss, build_graph, current_client, prepare,
-                  resolve_dispatch, scatter_batch, to_delayed, trace_call)
+from .api import (OutKey, _argnames, _check_loss, build_graph, check_dispatch, current_client,
+                  prepare, resolve_dispatch, scatter_batch, to_delayed, trace_call)
 from .backward import build_backward
 from .errors import MicrobatchError
 from .keys import make_key
@@ -103,10 +103,7 @@ class Trainer:
         self.fuse = (microbatches > 1) if fuse is None else fuse
         self.batch_argnums = batch_argnums
         self.batch_axis = batch_axis
-        if dispatch not in (None, "direct", "scheduler"):
-            raise ValueError(f"dispatch must be 'direct', 'scheduler' or None, got "
-                             f"{dispatch!r}")
-        self.dispatch = dispatch
+        self.dispatch = check_dispatch(dispatch)
         self._treedef: Any = None
         self._template: list[Any] = []
         self._last: TrainState | None = None
