@@ -387,10 +387,10 @@ def _direct_graph(dsk: dict[str, Any], stage_of: Mapping[str, int | None], targe
     plan = rewrite(dsk, worker_of, priority, keep, targets.addresses, token, slots=slots,
                    endpoints=endpoints(client, addrs))
     where = {k: w for k, w in worker_of.items() if w is not None}
-    where.update(plan.done_keys)
+    where.update(plan.placed)
     prio = {**priority, **plan.priority}
     annotations: dict[str, Any] = {"priority": prio.get}
-    if slots:   # shares: a direct task waiting for its turn keeps its resources
+    if slots:   # shares: a program waiting for its inputs keeps its resources
         annotations["resources"] = {k: {w: RESOURCE_SHARE} for k, w in where.items()}.get
     else:
         annotations["workers"] = {k: [w] for k, w in where.items()}.get

@@ -18,7 +18,7 @@ import threading
 from multiprocessing.connection import Client as _connect, Listener
 from typing import Any, Callable
 
-__all__ = ["Endpoint", "start", "endpoint", "send", "close_all"]
+__all__ = ["Endpoint", "start", "endpoint", "send", "reachable", "close_all"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,8 @@ def _accept(listener: Listener) -> None:
             conn = listener.accept()
         except OSError:                      # listener closed
             return
+        except (EOFError, ConnectionError):  # a liveness probe (`reachable`)
+            continue
         except Exception as e:               # a peer failed the key challenge
             log.warning("dagdiff channel: refused a connection (%s)", e)
             continue
@@ -110,6 +112,18 @@ def send(ep: Endpoint, msg: dict[str, Any]) -> None:
             if peer is None or peer.ep != ep:
                 peer = _PEERS[key] = _Peer(ep)
     peer.send(msg)
+
+
+def reachable(ep: Endpoint, timeout: float = 2.0) -> bool:
+    """Whether a listener still accepts connections at `ep` (a TCP connect, closed at
+    once without a message; False when refused or timed out)."""
+    import socket
+
+    try:
+        with socket.create_connection((ep[0], ep[1]), timeout=timeout):
+            return True
+    except OSError:
+        return False
 
 
 def close_all() -> None:

@@ -96,10 +96,16 @@ class LoadDagdiff(WorkerPlugin):
             stream.interval = min(stream.interval, LATENCY)
 
     def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:
-        """A running direct task was released by the scheduler (the client let go of the
-        step, e.g. after an error): wake its step's waiters on this worker."""
-        if (start in ("executing", "long-running") and finish in ("released", "cancelled")
-                and isinstance(key, str)):
+        """Log when each task starts (exact per-worker order for `dd.record`); a running
+        direct-dispatch program released by the scheduler (the client let go of the
+        step, e.g. after an error) wakes and stops."""
+        if not isinstance(key, str):
+            return
+        if finish == "executing":
+            from .direct import started
+
+            started(key)
+        elif start in ("executing", "long-running") and finish in ("released", "cancelled"):
             from .direct import cancelled
 
             cancelled(key)

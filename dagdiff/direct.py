@@ -1,25 +1,29 @@
-"""Direct dispatch: a pipeline step's tasks reach their workers at once; each worker runs
-them in its schedule order and sends activations and cotangents straight to the worker
-that consumes them, so no action waits for a scheduler round trip.
+"""Direct dispatch: each worker runs its part of a pipeline step as one task (its
+*program*), in schedule order, and sends activations and cotangents straight to the
+worker that consumes them, so no action waits for the scheduler.
 
 On distributed every dependent hop costs a scheduler round trip plus a transfer (5-10 ms
-measured on a small machine), which is as long as a pipeline action itself. Here the
-graph is rewritten before submission (`rewrite`): tasks of the step that live on a worker
-lose their Dask dependencies on each other and get
+measured on a small machine), which is as long as a pipeline action itself, and every
+task costs the scheduler and its worker some bookkeeping (about a millisecond of CPU on
+a small machine, spent while the pipeline runs). Here the graph is rewritten before
+submission (`rewrite`): the step's tasks that live on a worker become the *actions* of
+that worker's program,
 
-* a position in their worker's order: the schedule's actions in order, the small tasks
-  (microbatch slices, sums, accumulators) where a simulated run of the schedule first has
-  their inputs (`linearize`, which also rejects a schedule that would deadlock);
-* an inbox per input: same-worker values are handed over in process, other workers'
-  values arrive through one direct message (`dagdiff.channel`);
-* a route for their own value: local consumers, and each other worker that reads it.
+* in the order of a simulated run of the schedule: the schedule's actions in order, the
+  small tasks (microbatch slices, sums, accumulators) where their inputs first exist
+  (`linearize`, which also rejects a schedule that would deadlock);
+* reading same-worker values in process (each value dropped after its last use, so a
+  forward's pullback lives exactly as long as the schedule says) and other workers'
+  values from one direct message each (`dagdiff.channel`).
 
-Tasks read by ordinary tasks (the step's outputs) still return their value to Dask,
-the others return None; one ``done`` task per worker depends on all of the worker's
-tasks and every output waits for all of them, so a failure anywhere reaches the caller
-and no task of a step is released while any of its outputs is wanted. Failures travel
-downstream as error messages, cancelled steps wake their waiters, and every wait has a
-deadline (``dagdiff.direct.timeout``, default 600 s): nothing waits forever.
+A program depends only on the step's inputs (parameters, batch), so a step is a handful
+of Dask tasks per worker: the program, one small task per value an ordinary task reads
+(the step's outputs), and a ``done`` task; every output waits for every worker's
+``done``, so a failure anywhere reaches the caller and no program is culled while an
+output is wanted. Failures travel downstream as error messages, cancelled steps wake
+their program, and every wait has a deadline (``dagdiff.direct.timeout``, default
+600 s): nothing waits forever. `dd.record` reads each action's compute interval from
+its worker, so timelines show actions, not programs.
 """
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ import logging
 import threading
 import uuid
 import weakref
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from dask._task_spec import DataNode, Task, TaskRef
 
@@ -40,22 +44,25 @@ from .keys import make_key
 __all__ = [
     "DirectDispatchError",
     "UpstreamError",
+    "Action",
+    "Program",
     "DirectPlan",
     "rewrite",
     "linearize",
-    "direct_task",
+    "run_program",
     "install_handlers",
     "endpoint",
     "endpoints",
     "compute_log",
+    "started",
     "RESOURCE_SHARE",
 ]
 
 log = logging.getLogger(__name__)
 
-#: share of a slot resource one direct task holds: a task that waits for its turn leaves
-#: the thread pool (``secede``) but keeps its resources, so whole units would block the
-#: worker's next task (2**-20: exact in binary, a million tasks per worker)
+#: share of a slot resource one program holds: a program leaves the thread pool
+#: (``secede``) but keeps its resources, so whole units would block the worker's next
+#: task, e.g. the next step's program (2**-20: exact in binary)
 RESOURCE_SHARE = 2.0 ** -20
 _COUNTER = itertools.count(1)
 
@@ -78,57 +85,55 @@ class Remote:
     where: str                    # the worker's slot (or address)
     address: str                  # its Dask address
     endpoint: Any                 # its `dagdiff.channel` endpoint
-    uses: int                     # consumer tasks there
+    uses: int                     # consumer actions there
 
 
 @dataclasses.dataclass(frozen=True)
-class Route:
-    """Where one task's value goes: `local` consumer tasks on its worker, and the
-    consumers on other workers."""
+class Action:
+    """One task of a program: the original Dask task (ordering-only edges dropped), where
+    its inputs come from, and where its value goes."""
 
-    local: int
-    remote: tuple[Remote, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class DirectInfo:
-    """What a direct task needs at run time besides its function and arguments."""
-
-    step: str                       # id shared by all tasks of the step, on every worker
     key: str
-    where: str                      # worker slot (or address), for messages
-    pos: int                        # position in this worker's order
-    count: int                      # tasks of this step on this worker
-    inputs: tuple[tuple[str, str], ...]   # (producer key, producer's worker) per inbox
-    route: Route
-    returns: bool                   # an ordinary task reads the value from Dask
+    task: Task
+    inputs: tuple[tuple[str, str], ...]   # (producer key, producer's worker), other actions
+    local: int                            # consumer actions on this worker
+    remote: tuple[Remote, ...]            # consumers on other workers
+    export: bool                          # an ordinary task (an output) reads it from Dask
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """A worker's part of one step: its actions in run order."""
+
+    key: str
+    step: str                             # id shared by the step's programs
+    where: str                            # worker slot (or address), for messages
+    actions: tuple[Action, ...]
+    statics: tuple[str, ...]              # Dask keys the actions read (params, batch)
     timeout: float
+    #: where -> (address, channel endpoint) of each worker this program reads from, to
+    #: notice a producer that died instead of waiting for the timeout
+    peers: tuple[tuple[str, str, Any], ...] = ()
+    #: the channel endpoint of the worker process the program was built for
+    endpoint: Any = None
 
-
-class _Inbox:
-    """Placeholder argument: the value of direct task `key`, delivered in process."""
-
-    __slots__ = ("key",)
-
-    def __init__(self, key: str) -> None:
-        self.key = key
-
-    def __reduce__(self) -> Any:
-        return (_Inbox, (self.key,))
-
-    def __repr__(self) -> str:
-        return f"<inbox {self.key}>"
+    def peer(self, where: str) -> tuple[str, Any]:
+        for w, address, ep in self.peers:
+            if w == where:
+                return address, ep
+        return where, None
 
 
 @dataclasses.dataclass
 class DirectPlan:
-    """The rewritten graph: tasks, the order per worker, per-key priorities, and the
-    step's completion tasks."""
+    """The rewritten graph: tasks, the order per worker, priorities and placement of
+    the new tasks (programs, their outputs, completion tasks)."""
 
     dsk: dict[str, Any]
-    order: dict[str, list[str]]        # worker -> direct keys in run order
+    order: dict[str, list[str]]        # worker -> action keys in run order
     priority: dict[str, int]
-    done_keys: dict[str, str]          # completion task -> its worker
+    placed: dict[str, str]             # new task -> its worker
+    programs: dict[str, str]           # program key -> its worker
 
 
 def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
@@ -137,7 +142,7 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
             timeout: float | None = None,
             endpoints: Mapping[str, Any] | None = None) -> DirectPlan:
     """Turn every task that has a worker (and is not in `keep`, the step's outputs, and
-    does not wait on an ordinary task) into a direct task.
+    does not wait on an ordinary task) into an action of its worker's program.
 
     `worker_of`: key -> slot name (or address when `slots` is False); `priority`: the
     schedule's priorities (higher runs earlier on its worker; keys without one are small
@@ -155,7 +160,7 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
                for d in deps_of[key]):
             direct.add(key)
     if not direct:
-        return DirectPlan(dsk, {}, {}, {})
+        return DirectPlan(dsk, {}, {}, {}, {})
     inbox = {k: [d for d in deps_of[k] if d in direct] for k in direct}
     missing = sorted({w for k in direct if (w := worker_of[k]) not in addresses})
     if missing and slots:
@@ -166,49 +171,63 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
     for k, ds in inbox.items():
         for d in ds:
             readers[d].append(k)
-    returns = {d for k, t in dsk.items() if k not in direct and isinstance(t, Task)
+    exports = {d for k, t in dsk.items() if k not in direct and isinstance(t, Task)
                for d in t.dependencies if d in direct}
     order = linearize(inbox, {k: worker_of[k] for k in direct},
                       {k: priority[k] for k in direct if k in priority})
-    pos = {k: i for keys in order.values() for i, k in enumerate(keys)}
     step = f"{token}-{uuid.uuid4().hex[:12]}"
     base = -10_000_000 * next(_COUNTER)      # later steps rank below earlier ones on every worker
     out_priority: dict[str, int] = {}
-    for k in direct:
-        t, w = dsk[k], worker_of[k]
-        by_worker = collections.Counter(worker_of[c] for c in readers.get(k, ()))
-        local = by_worker.pop(w, 0)
-        route = Route(local, tuple(
-            Remote(ww, addr(ww), (endpoints or {}).get(addr(ww)), n)
-            for ww, n in sorted(by_worker.items())))
-        inputs = tuple((d, worker_of[d]) for d in inbox[k])
-        info = DirectInfo(step, k, w, pos[k], len(order[w]), inputs, route, k in returns,
-                          timeout)
-        args = tuple(_Inbox(a.key) if isinstance(a, TaskRef) and a.key in direct else a
-                     for a in t.args)
-        kwargs = {n: (_Inbox(v.key) if isinstance(v, TaskRef) and v.key in direct else v)
-                  for n, v in t.kwargs.items() if not _ordering_only(n, v, direct)}
-        dsk[k] = Task(k, direct_task, info, t.func, *args, **kwargs)
-        out_priority[k] = base - pos[k]
-    # One completion task per worker over all of its direct tasks (local: nothing moves),
-    # and every output waits for all of them: while any output is wanted no task of the
-    # step is released (a released task would never take its turn), and a failure
-    # anywhere reaches every output.
-    done_keys: dict[str, str] = {}
+    placed: dict[str, str] = {}
+    programs: dict[str, str] = {}
+    done_refs: list[TaskRef] = []
     for i, w in enumerate(sorted(order)):
+        actions = []
+        statics: set[str] = set()
+        for k in order[w]:
+            t = dsk.pop(k)
+            by_worker = collections.Counter(worker_of[c] for c in readers.get(k, ()))
+            local = by_worker.pop(w, 0)
+            remote = tuple(Remote(ww, addr(ww), (endpoints or {}).get(addr(ww)), n)
+                           for ww, n in sorted(by_worker.items()))
+            kwargs = {n: v for n, v in t.kwargs.items() if not _ordering_only(n, v, direct)}
+            statics.update(d for d in deps_of[k] if d not in direct)
+            actions.append(Action(k, Task(k, t.func, *t.args, **kwargs),
+                                  tuple((d, worker_of[d]) for d in inbox[k]), local, remote,
+                                  k in exports))
+        pk = make_key("program", sanitize_where(w), i, token)
+        srcs = sorted({src for a in actions for _, src in a.inputs if src != w})
+        peers = tuple((src, addr(src), (endpoints or {}).get(addr(src))) for src in srcs)
+        prog = Program(pk, step, w, tuple(actions), tuple(sorted(statics)), timeout, peers,
+                       (endpoints or {}).get(addr(w)))
+        dsk[pk] = Task(pk, run_program, prog, *[TaskRef(s) for s in prog.statics])
+        programs[pk] = placed[pk] = w
+        out_priority[pk] = base
+        for a in actions:
+            if a.export:           # the value an output reads, as an ordinary result
+                dsk[a.key] = Task(a.key, _pick, TaskRef(pk), a.key)
+                placed[a.key] = w
+        # completion on the program's worker (nothing moves); every output waits for all
         dk = make_key("done", "step", i, token)
-        dsk[dk] = Task(dk, _done, *[TaskRef(k) for k in order[w]])
-        done_keys[dk] = w
-    refs = [TaskRef(dk) for dk in done_keys]
+        dsk[dk] = Task(dk, _done, TaskRef(pk))
+        placed[dk] = w
+        done_refs.append(TaskRef(dk))
     for k, t in list(dsk.items()):
         if k in keep and isinstance(t, Task):
-            dsk[k] = Task(k, _after, len(refs), *refs, t.func, *t.args, **t.kwargs)
-    return DirectPlan(dsk, order, out_priority, done_keys)
+            dsk[k] = Task(k, _after, len(done_refs), *done_refs, t.func, *t.args, **t.kwargs)
+    return DirectPlan(dsk, order, out_priority, placed, programs)
+
+
+def sanitize_where(where: str) -> str:
+    """A worker's slot name (or address) as part of a key."""
+    from .keys import sanitize
+
+    return sanitize(where)
 
 
 def _ordering_only(name: str, value: Any, direct: set[str]) -> bool:
-    """`after_<i>` keyword arguments are the scheduler-mode ordering edges; direct tasks
-    are ordered by their position instead."""
+    """`after_<i>` keyword arguments are the scheduler-mode ordering edges; actions
+    run in their program's order instead."""
     return name.startswith("after_") and isinstance(value, TaskRef) and value.key in direct
 
 
@@ -328,9 +347,14 @@ def _timeout() -> float:
     return float(parse_timedelta(dask.config.get("dagdiff.direct.timeout", "600s")))
 
 
-def _done(*values: Any) -> None:
-    """Completion of a direct step on one worker (its inputs: all the worker's tasks)."""
+def _done(exports: Any) -> None:
+    """Completion of a step on one worker (its input: the worker's program)."""
     return None
+
+
+def _pick(exports: dict[str, Any], key: str) -> Any:
+    """The value of action `key`, from its program's exports."""
+    return exports[key]
 
 
 def _after(n: int, *rest: Any, **kwargs: Any) -> Any:
@@ -341,64 +365,59 @@ def _after(n: int, *rest: Any, **kwargs: Any) -> Any:
 
 # --- run time: the worker side ----------------------------------------------------------
 
-class _Entry:
-    """A started direct task, waiting to be run by its own thread or by the thread that
-    ran its predecessor on the worker."""
-
-    __slots__ = ("info", "func", "args", "kwargs", "state", "result", "error", "wake")
-
-    def __init__(self, info: DirectInfo, func: Callable[..., Any], args: tuple[Any, ...],
-                 kwargs: dict[str, Any]) -> None:
-        self.info, self.func, self.args, self.kwargs = info, func, args, kwargs
-        self.state = "new"                 # new -> running -> done
-        self.result: Any = None
-        self.error: BaseException | None = None
-        self.wake = threading.Event()      # set when something this task waits for changed
-
-
 class _Step:
-    """One step's state on one worker: whose turn it is, started tasks, values and
-    errors received for them. Waiters sleep on their own entry's event and are woken one
-    by one (a step-wide condition woke every parked thread on every event)."""
+    """One step's state on one worker: values and errors received from other workers,
+    and why the step was aborted (if it was)."""
 
     def __init__(self) -> None:
-        self.cond = threading.Lock()
-        self.turn = 0
-        self.entries: dict[int, _Entry] = {}
+        import time as _time
+
+        self.cond = threading.Condition(threading.Lock())
         self.values: dict[str, list[Any]] = {}      # key -> [value, uses left]
         self.errors: dict[str, str] = {}
-        self.waiting: dict[str, _Entry] = {}        # input key -> the task waiting for it
         self.abort: str | None = None
-
-    def wake_turn(self) -> None:
-        """(lock held) Wake the task whose turn it now is."""
-        e = self.entries.get(self.turn)
-        if e is not None:
-            e.wake.set()
-
-    def wake_key(self, key: str) -> None:
-        """(lock held) Wake the task waiting for input `key`."""
-        e = self.waiting.get(key)
-        if e is not None:
-            e.wake.set()
+        self.created = _time.monotonic()
+        self.started = False
 
 
 # state per (step, worker): several workers may share a process (processes=False)
 _STEPS: dict[tuple[str, str], _Step] = {}
 _FINISHED: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
-_RUNNING: dict[str, tuple[str, str]] = {}           # task key -> its step (cancellations)
+_RUNNING: dict[str, tuple[str, str]] = {}           # program key -> its step (cancellations)
 _GLOBAL = threading.Lock()
-_LOG: collections.deque[tuple[str, float, float]] = collections.deque(maxlen=200_000)
-_THREAD = threading.local()
+#: (action key, start, stop, program key, run number) of every action run in this process
+_LOG: collections.deque[tuple[str, float, float, str, int]] = collections.deque(maxlen=200_000)
+_RUNS = itertools.count()
+#: (task key, time) of every task this process's workers started (`started`)
+_STARTS: collections.deque[tuple[str, float]] = collections.deque(maxlen=200_000)
 
 
-def _step(step: tuple[str, str]) -> _Step | None:
+def started(key: str) -> None:
+    """A task began executing here (called by dagdiff's worker plugin). The task stream
+    shifts each task's times by the worker's clock offset of that moment, which moves
+    with every heartbeat; these local times keep a worker's order exact."""
+    from distributed.metrics import time
+
+    _STARTS.append((key, time()))
+
+
+#: seconds after which values received for a program that never started are dropped
+#: (its step was cancelled before it ran here)
+STALE_AFTER = 3600.0
+
+
+def _step(step: tuple[str, str], start: bool = False) -> _Step | None:
     with _GLOBAL:
         if step in _FINISHED:
             return None
         st = _STEPS.get(step)
         if st is None:
             st = _STEPS[step] = _Step()
+            stale = st.created - STALE_AFTER
+            for k in [k for k, s in _STEPS.items() if not s.started and s.created < stale]:
+                del _STEPS[k]
+        if start:
+            st.started = True
         return st
 
 
@@ -410,163 +429,113 @@ def _finish(step: tuple[str, str]) -> None:
             _FINISHED.popitem(last=False)
 
 
-def direct_task(info: DirectInfo, func: Callable[..., Any], /, *args: Any,
-                **kwargs: Any) -> Any:
-    """Run `func` when it is this task's turn on its worker and its inbox inputs have
-    arrived; hand its value to its consumers (in process or by direct message).
+def run_program(prog: Program, /, *static_values: Any) -> dict[str, Any]:
+    """Run a worker's actions in order; return the values ordinary tasks read.
 
-    The task registers itself and leaves the thread pool at once, so all of a step's
-    tasks wait in their own threads. Whichever thread finishes a task goes on with the
-    worker's next task when that one is registered and its inputs are there: a worker
-    runs its actions back to back without waking a thread (or the event loop) per task.
-    """
-    here = (info.step, info.where)
-    st = _step(here)
-    if st is None:
-        raise DirectDispatchError(
-            f"{info.key} on {info.where}: this step already ended on this worker (it "
-            "finished, failed or was cancelled) and Dask runs its task again, e.g. after "
-            "a worker was lost mid-step. Run the step again.")
-    entry = _Entry(info, func, args, kwargs)
-    _RUNNING[info.key] = here
-    try:
-        with st.cond:
-            st.entries[info.pos] = entry
-        _secede()
-        mine = False
-        try:
-            _wait(st, entry, lambda: entry.state == "done" or (
-                  entry.state == "new" and st.turn >= info.pos),
-                  lambda: f"its turn (task {info.pos} of {info.count} on {info.where}; "
-                          f"{st.turn} ran so far)")
-            with st.cond:
-                if entry.state == "new":
-                    entry.state, mine = "running", True
-        except BaseException as e:            # aborted or timed out while waiting
-            with st.cond:
-                if entry.state == "new":
-                    entry.state, entry.error = "done", e
-            if entry.state == "done" and entry.error is e:
-                _settle(st, entry, None, e)
-                _next(st, info)
-            raise
-        if mine:
-            _run_chain(st, entry)
-        else:
-            _wait(st, entry, lambda: entry.state == "done",
-                  lambda: "the thread running it (ran by its predecessor's thread)")
-    finally:
-        _RUNNING.pop(info.key, None)
-    if entry.error is not None:
-        raise entry.error
-    return entry.result if info.returns else None
-
-
-def _run_chain(st: _Step, entry: _Entry) -> None:
-    """Run `entry` (claimed by this thread), then each following task of the worker
-    that is registered and has its inputs, until one is not ready."""
-    while entry is not None:
-        _run(st, entry)
-        info = entry.info
-        with st.cond:
-            st.turn = max(st.turn, info.pos + 1)
-            nxt = st.entries.get(st.turn)
-            if nxt is not None and nxt.state == "new" and _ready(st, nxt.info):
-                nxt.state = "running"
-            else:
-                nxt = None
-                st.wake_turn()
-            last = st.turn >= info.count
-        if last:
-            _finish((info.step, info.where))
-        entry = nxt
-
-
-def _ready(st: _Step, info: DirectInfo) -> bool:
-    return all(k in st.values or k in st.errors for k, _ in info.inputs) and st.abort is None
-
-
-def _run(st: _Step, entry: _Entry) -> None:
-    """Take the inputs, call the function, hand the value on (or the error)."""
+    Each action waits for its inputs (same-worker values are at hand; other workers'
+    values arrive by message), runs, and hands its value on: kept here until its last
+    local use, sent to each other worker that reads it. The first failure stops the
+    program; the consumers of its remaining actions on other workers get the error at
+    once, and the task fails with it."""
     from distributed.metrics import time
 
-    info = entry.info
+    here = (prog.step, prog.where)
+    if prog.endpoint is not None:
+        from .channel import endpoint as own
+
+        if own() != prog.endpoint:
+            raise DirectDispatchError(
+                f"{prog.key}: the step was built for {prog.where}'s worker process, which "
+                "was lost or restarted since (Dask runs the program again on its "
+                "replacement, but the other workers already went on). Run the step again.")
+    st = _step(here, start=True)
+    if st is None:
+        raise DirectDispatchError(
+            f"{prog.key} on {prog.where}: this step already ended on this worker (it "
+            "finished, failed or was cancelled) and Dask runs its program again, e.g. "
+            "after a worker was lost mid-step. Run the step again.")
+    _RUNNING[prog.key] = here
+    run = next(_RUNS)
+    _secede()
+    statics = dict(zip(prog.statics, static_values))
+    local: dict[str, list[Any]] = {}                  # key -> [value, uses left]
+    exports: dict[str, Any] = {}
+    failure: BaseException | None = None
     try:
-        got = {k: _take(st, entry, k, src) for k, src in info.inputs}
-        a = [got[x.key] if isinstance(x, _Inbox) else x for x in entry.args]
-        kw = {n: (got[v.key] if isinstance(v, _Inbox) else v)
-              for n, v in entry.kwargs.items()}
-        t0 = time()
-        out = entry.func(*a, **kw)
-        t1 = time()
-    except BaseException as e:
-        _settle(st, entry, None, e)
-        return
-    _LOG.append((info.key, t0, t1))
-    _settle(st, entry, out, None)
-
-
-def _settle(st: _Step, entry: _Entry, value: Any, error: BaseException | None) -> None:
-    """Hand the outcome to local consumers, send it to remote ones, then record it (a
-    value that cannot be delivered fails its task, so the caller hears of it)."""
-    info = entry.info
-    msg = None
-    if error is not None:
-        msg = str(error) if isinstance(error, (UpstreamError, DirectDispatchError)) else \
-            f"{info.key} failed on {info.where}: {type(error).__name__}: {error}"
-    if info.route.local:
-        with st.cond:
-            if msg is None:
-                st.values[info.key] = [value, info.route.local]
-            else:
-                st.errors[info.key] = msg
-            st.wake_key(info.key)
-    try:
-        _send(info, value, msg)
-    except DirectDispatchError as e:
-        if error is None:
-            error = e
-    with st.cond:
-        entry.state, entry.result, entry.error = "done", value, error
-        entry.args = entry.kwargs = None      # type: ignore[assignment]  (free inputs)
-        st.entries.pop(info.pos, None)
-        entry.wake.set()
-
-
-def _next(st: _Step, info: DirectInfo) -> None:
-    """Pass the turn on after a task that ended without running (abort, timeout)."""
-    with st.cond:
-        st.turn = max(st.turn, info.pos + 1)
-        st.wake_turn()
-        last = st.turn >= info.count
-    if last:
-        _finish((info.step, info.where))
-
-
-def _secede() -> None:
-    """Leave the worker's thread pool (once per task): the worker then starts its next
-    tasks, and a task that waits never keeps the task whose turn it is from starting."""
-    if getattr(_THREAD, "seceded", False):
-        return
-    from distributed import secede
-
-    try:
-        secede()
-        _THREAD.seceded = True               # the thread ends with its task
-    except Exception:                        # not inside a worker task (tests, threads)
-        pass
-
-
-def _take(st: _Step, entry: _Entry, key: str, src: str) -> Any:
-    with st.cond:
-        st.waiting[key] = entry
-    try:
-        _wait(st, entry, lambda: key in st.values or key in st.errors,
-              lambda: f"input {key} from {src}")
+        for a in prog.actions:
+            if failure is None:
+                try:
+                    values = {k: (_take_local(local, k) if src == prog.where
+                                  else _take_remote(st, prog, a, k, src))
+                              for k, src in a.inputs}
+                    if st.abort is not None:
+                        raise DirectDispatchError(f"{a.key} on {prog.where}: {st.abort}")
+                    values.update((d, statics[d]) for d in a.task.dependencies
+                                  if d not in values)
+                    t0 = time()
+                    out = a.task(values)
+                    t1 = time()
+                    del values
+                    _LOG.append((a.key, t0, t1, prog.key, run))
+                    if a.local:
+                        local[a.key] = [out, a.local]
+                    if a.export:
+                        exports[a.key] = out
+                    _send(prog, a, out, None)
+                    del out
+                    continue
+                except BaseException as e:
+                    failure = e
+                    local.clear()
+            _send_error(prog, a, failure)
     finally:
-        with st.cond:
-            st.waiting.pop(key, None)
+        _RUNNING.pop(prog.key, None)
+        _finish(here)
+    if failure is not None:
+        raise failure
+    return exports
+
+
+def _take_local(local: dict[str, list[Any]], key: str) -> Any:
+    """A same-worker input (always there: the order came from a valid run); dropped
+    after its last use."""
+    value = local[key]
+    value[1] -= 1
+    if value[1] <= 0:
+        del local[key]
+    return value[0]
+
+
+def _take_remote(st: _Step, prog: Program, a: Action, key: str, src: str) -> Any:
+    """An input from another worker: wait for its message (or an error, an abort, the
+    deadline); while waiting, check now and then that the producing worker still runs."""
+    import time as _time
+
+    start = _time.monotonic()
+    deadline = start + prog.timeout
+    next_probe = start + PROBE_AFTER
     with st.cond:
+        while key not in st.values and key not in st.errors:
+            if st.abort is not None:
+                raise DirectDispatchError(f"{a.key} on {prog.where}: {st.abort}")
+            now = _time.monotonic()
+            left = deadline - now
+            if left <= 0:
+                raise DirectDispatchError(
+                    f"{a.key} on {prog.where} waited {prog.timeout:g} s for input {key} "
+                    f"from {src}: a worker was lost or restarted mid-step, or an upstream "
+                    "task hangs. Run the step again; raise dask config "
+                    "'dagdiff.direct.timeout' if tasks legitimately take longer; "
+                    "dispatch='scheduler' recomputes lost work.")
+            if now >= next_probe:
+                st.cond.release()
+                try:
+                    _probe(prog, a, key, src)
+                finally:
+                    st.cond.acquire()
+                next_probe = _time.monotonic() + PROBE_EVERY
+                continue
+            st.cond.wait(min(left, next_probe - now, 1.0))
         if key in st.errors:
             raise UpstreamError(st.errors[key])
         value = st.values[key]
@@ -576,40 +545,46 @@ def _take(st: _Step, entry: _Entry, key: str, src: str) -> Any:
         return value[0]
 
 
-def _wait(st: _Step, entry: _Entry, ready: Callable[[], bool],
-          what: Callable[[], str]) -> None:
-    """Sleep on the entry's event until `ready()` (checked under the step's lock); raise
-    on abort or after the entry's timeout, saying what was awaited."""
-    import time as _time
-
-    info = entry.info
-    deadline = _time.monotonic() + info.timeout
-    while True:
-        with st.cond:
-            if ready():
-                return
-            if st.abort is not None:
-                raise DirectDispatchError(f"{info.key} on {info.where}: {st.abort}")
-            entry.wake.clear()
-        left = deadline - _time.monotonic()
-        if left <= 0:
-            raise DirectDispatchError(
-                f"{info.key} on {info.where} waited {info.timeout:g} s for {what()}: a "
-                "worker was lost or restarted mid-step, or an upstream task hangs. Run "
-                "the step again; raise dask config 'dagdiff.direct.timeout' if tasks "
-                "legitimately take longer; dispatch='scheduler' recomputes lost work.")
-        entry.wake.wait(min(left, 1.0))
+#: seconds an input may be awaited before its producer's worker is checked, and between
+#: checks: a lost worker fails the step in seconds, not after the timeout
+PROBE_AFTER = 2.0
+PROBE_EVERY = 2.0
 
 
-def _send(info: DirectInfo, value: Any, error: str | None) -> None:
+def _probe(prog: Program, a: Action, key: str, src: str) -> None:
+    """Raise if the worker that produces `key` no longer listens (its process ended)."""
+    address, ep = prog.peer(src)
+    if ep is None:
+        return
+    from .channel import reachable
+
+    if not reachable(ep):
+        raise DirectDispatchError(
+            f"{a.key} on {prog.where} waits for input {key} from {src} at {address}, which "
+            "no longer runs (the worker was lost or restarted mid-step). Run the step "
+            "again; dispatch='scheduler' recomputes lost work instead.")
+
+
+def _secede() -> None:
+    """Leave the worker's thread pool: the worker goes on with its other tasks (the next
+    step's program, other work) while this program waits for its inputs."""
+    from distributed import secede
+
+    try:
+        secede()
+    except Exception:                        # not inside a worker task (tests, threads)
+        pass
+
+
+def _send(prog: Program, a: Action, value: Any, error: str | None) -> None:
     """Send the value (or error) to the consumers on other workers; raises
     `DirectDispatchError` naming the first consumer worker that could not be reached."""
-    if not info.route.remote:
+    if not a.remote:
         return
     wire = _wire(value) if error is None else None
     failed = []
-    for r in info.route.remote:
-        msg = {"step": info.step, "where": r.where, "key": info.key, "uses": r.uses,
+    for r in a.remote:
+        msg = {"step": prog.step, "where": r.where, "key": a.key, "uses": r.uses,
                "error": error, "value": wire}
         try:
             if r.endpoint is None:
@@ -621,9 +596,21 @@ def _send(info: DirectInfo, value: Any, error: str | None) -> None:
             failed.append(f"{r.where} at {r.address} ({type(e).__name__}: {e})")
     if failed:
         raise DirectDispatchError(
-            f"{info.key} on {info.where} could not send its value to "
-            f"{'; '.join(failed)}. Is that worker alive and running dagdiff (start workers "
-            "with --preload dagdiff)? Run the step again, or use dispatch='scheduler'.")
+            f"{a.key} on {prog.where} could not send its value to "
+            f"{'; '.join(failed)}: the worker was lost or restarted mid-step, or does not "
+            "run dagdiff (start workers with --preload dagdiff). Run the step again, or "
+            "use dispatch='scheduler'.")
+
+
+def _send_error(prog: Program, a: Action, error: BaseException) -> None:
+    """Tell the remote consumers of an action that will not run why (best effort: a
+    consumer that cannot be reached times out instead)."""
+    msg = str(error) if isinstance(error, (UpstreamError, DirectDispatchError)) else \
+        f"{a.key} failed on {prog.where}: {type(error).__name__}: {error}"
+    try:
+        _send(prog, a, None, msg)
+    except DirectDispatchError as e:
+        log.warning("dagdiff: %s", e)
 
 
 def _wire(value: Any) -> Any:
@@ -656,12 +643,12 @@ def _deliver(msg: dict[str, Any]) -> None:
             st.values[msg["key"]] = [msg["value"], msg["uses"]]
         else:
             st.errors[msg["key"]] = msg["error"]
-        st.wake_key(msg["key"])
+        st.cond.notify_all()
 
 
 def _abort(step: tuple[str, str], reason: str) -> None:
-    """Wake every waiter of `step` on this worker with `reason`, and forget the step
-    (late messages for it are dropped; its tasks that never started never will)."""
+    """Wake the program of `step` on this worker with `reason` (it stops before its next
+    action), and forget the step (late messages for it are dropped)."""
     with _GLOBAL:
         st = _STEPS.get(step)
     if st is None:
@@ -669,14 +656,12 @@ def _abort(step: tuple[str, str], reason: str) -> None:
     with st.cond:
         if st.abort is None:
             st.abort = reason
-        for e in st.entries.values():
-            e.wake.set()
+        st.cond.notify_all()
     _finish(step)
 
 
 def cancelled(key: str) -> None:
-    """A direct task was cancelled while running (the client released the step): abort
-    its step here so its waiting tasks end instead of holding threads."""
+    """A program was cancelled while running (the client released the step): abort it."""
     step = _RUNNING.get(key)
     if step is not None:
         _abort(step, "the step was cancelled")
@@ -721,12 +706,22 @@ def endpoint(dask_worker: Any = None) -> Any:
     return getattr(dask_worker, "_dagdiff_channel", None)
 
 
-def compute_log(keys: Any = None, dask_worker: Any = None) -> dict[str, tuple[float, float]]:
-    """(start, stop) of the compute part of direct tasks run in this process (the task
-    stream also counts the wait for a task's turn and inputs). Times are shifted into
-    the scheduler's clock with one offset for all of them, so their order on a worker is
-    exactly the order they ran in."""
+def compute_log(keys: Any = None, dask_worker: Any = None) -> dict[str, Any]:
+    """What ran in this process, in the scheduler's clock (shifted with one offset for
+    all, so their order on a worker is exactly the order they ran in):
+
+    * ``"programs"``: per program key, (action key, start, stop) of each action of its
+      latest run;
+    * ``"starts"``: per task key, when it last began executing."""
     want = None if keys is None else set(keys)
     delay = float(getattr(dask_worker, "scheduler_delay", 0.0) or 0.0)
-    return {k: (a + delay, b + delay) for k, a, b in list(_LOG)
-            if want is None or k in want}
+    latest: dict[str, int] = {}
+    rows = [r for r in list(_LOG) if want is None or r[3] in want]
+    for r in rows:
+        latest[r[3]] = max(latest.get(r[3], -1), r[4])
+    programs: dict[str, list[tuple[str, float, float]]] = {}
+    for k, a, b, pk, run in rows:
+        if run == latest[pk]:
+            programs.setdefault(pk, []).append((k, a + delay, b + delay))
+    starts = {k: t + delay for k, t in list(_STARTS) if want is None or k in want}
+    return {"programs": programs, "starts": starts}

@@ -171,7 +171,7 @@ def record(client: Any = None) -> Iterator[Recording]:
             yield rec
         names = slot_names(c)
         rec.worker_names = dict(names)
-        _from_stream(rec, ts.data, _direct_times(c, ts.data))
+        _from_stream(rec, ts.data, _worker_times(c, ts.data))
         return
     from dask.callbacks import Callback
 
@@ -197,36 +197,39 @@ def record(client: Any = None) -> Iterator[Recording]:
         rec.tasks.append(TaskRecord(str(key), th, t - base, u - base, *_classify(key)))
 
 
-def _direct_times(client: Any, data: list[dict[str, Any]]) -> dict[str, tuple[float, float]]:
-    """Compute intervals of direct-dispatch tasks, read from their workers: the task
-    stream counts the wait for a task's turn and inputs as compute time."""
+def _worker_times(client: Any, data: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per worker address, what its process logged (`dagdiff.direct.compute_log`): the
+    actions of direct-dispatch programs, and each task's start in one clock (the task
+    stream's times jump with the workers' clock-offset estimates, which can swap
+    neighbouring tasks)."""
     from .direct import compute_log
 
     keys = sorted({d["key"] for d in data if isinstance(d.get("key"), str)})
     if not keys:
         return {}
     try:
-        per_worker = client.run(compute_log, keys)
+        return client.run(compute_log, keys)
     except Exception:                  # a worker went away: keep the stream's times
         return {}
-    out: dict[str, tuple[float, float]] = {}
-    for times in per_worker.values():
-        out.update(times)
-    return out
 
 
 def _from_stream(rec: Recording, data: list[dict[str, Any]],
-                 direct: dict[str, tuple[float, float]] | None = None) -> None:
+                 logs: dict[str, dict[str, Any]] | None = None) -> None:
     rows = []
-    direct = direct or {}
+    logs = logs or {}
     for d in data:
+        log = logs.get(d["worker"], {})
+        programs, starts = log.get("programs", {}), log.get("starts", {})
         for ss in d.get("startstops", ()):
             action = ss.get("action")
-            if action == "compute":
-                # a direct task's own compute interval (keys are unique per step; the
-                # newest entry of a recomputed key is the one logged last)
-                start, stop = direct.get(d["key"], (ss["start"], ss["stop"]))
-                rows.append((d["key"], d["worker"], start, stop, *_classify(d["key"])))
+            if action == "compute" and d["key"] in programs:
+                # a direct-dispatch program: a row per action it ran, on its worker
+                for key, start, stop in programs[d["key"]]:
+                    rows.append((key, d["worker"], start, stop, *_classify(key)))
+            elif action == "compute":
+                start = starts.get(d["key"], ss["start"])
+                rows.append((d["key"], d["worker"], start, start + ss["stop"] - ss["start"],
+                             *_classify(d["key"])))
             elif action == "transfer":
                 rows.append((d["key"], d["worker"], ss["start"], ss["stop"], "transfer",
                              None, None, None))

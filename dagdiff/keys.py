@@ -34,6 +34,7 @@ PHASES: dict[str, str] = {
     "reduce": "reduce",
     "state": "state",
     "done": "done",
+    "prog": "program",
 }
 _PREFIX = {v: k for k, v in PHASES.items()}
 

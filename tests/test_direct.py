@@ -1,5 +1,5 @@
-"""Direct dispatch: per-worker order from a simulated run, values worker to worker, and
-failures that reach the caller instead of hanging."""
+"""Direct dispatch: one program per worker in the order of a simulated run, values worker
+to worker, and failures that reach the caller instead of hanging."""
 from __future__ import annotations
 
 import threading
@@ -13,7 +13,7 @@ import pytest
 
 import dagdiff as dd
 from dagdiff import channel
-from dagdiff.direct import DirectInfo, Route, _Inbox, direct_task, linearize
+from dagdiff.direct import Action as DirectAction, Program, linearize, run_program
 from dagdiff.schedules import Action
 from tests.test_pipeline import close, data, make_loss
 
@@ -95,18 +95,31 @@ def test_direct_dispatch_equals_full_batch_jax(client4: Any, schedule: str, n_st
 
 
 @pytest.mark.distributed
-def test_direct_graph_has_no_dask_edges_between_actions(client2: Any) -> None:
-    from dagdiff.direct import direct_task as dt
-
+def test_a_step_is_one_program_per_worker_in_schedule_order(client2: Any) -> None:
     loss_fn = make_loss(2)
     params, x, t = data(2)
     with client2.as_current():
         loss, _ = dd.value_and_grad(loss_fn, microbatches=4, schedule="1f1b")(params, x, t)
     dsk = dict(loss.__dask_graph__())
-    direct = {k for k, v in dsk.items() if getattr(v, "func", None) is dt}
-    assert any(k.startswith("fwd_") for k in direct) and any(k.startswith("vjp_") for k in direct)
-    for k in direct:       # actions reach each other only through their inboxes
-        assert not (set(dsk[k].dependencies) & direct), k
+    progs = {k: v.args[0] for k, v in dsk.items() if getattr(v, "func", None) is run_program}
+    assert len(progs) == 2
+    for k, prog in progs.items():
+        # programs read only the step's inputs, never each other (values go directly)
+        assert not set(dsk[k].dependencies) & set(progs), k
+        assert set(dsk[k].dependencies) == set(prog.statics)
+        actions = [a.key for a in prog.actions]
+        # no action is also an ordinary task, except as its program's export
+        for a in prog.actions:
+            if a.key in dsk:
+                assert a.export and dsk[a.key].dependencies == {k}, a.key
+        stage = min(i.stage for i in map(dd.key_info, actions) if i.phase == "F")
+        want = dd.get_schedule("1f1b").actions(num_stages=2, microbatches=4)[stage]
+        got = []
+        for key in actions:
+            info = dd.key_info(key)
+            if info.phase in ("F", "B") and info.layer != "mse" and info.stage == stage:
+                got.append(f"{info.phase}{info.microbatch}")
+        assert [g for i, g in enumerate(got) if g not in got[:i]] == want, prog.where
 
 
 def _explode_fwd(w: Any, x: Any) -> Any:
@@ -208,16 +221,48 @@ def test_a_cancelled_step_frees_its_waiting_tasks(client2: Any) -> None:
 # --- the pieces, in process -------------------------------------------------------------
 
 def test_a_missing_input_times_out_with_the_facts() -> None:
-    info = DirectInfo(step="s-test", key="fwd_dense-s1-m0-n1-abc", where="slot1", pos=0,
-                      count=1, inputs=(("fwd_dense-s0-m0-n0-abc", "slot0"),),
-                      route=Route(0, ()), returns=True, timeout=0.3)
+    from dask._task_spec import Task, TaskRef
+
+    src = "fwd_dense-s0-m0-n0-abc"
+    key = "fwd_dense-s1-m0-n1-abc"
+    action = DirectAction(key, Task(key, _identity, TaskRef(src)), ((src, "slot0"),), 0, (),
+                          True)
+    prog = Program("prog_slot1-n1-abc", "s-test", "slot1", (action,), (), timeout=0.3)
     t0 = time.perf_counter()
     with pytest.raises(dd.DirectDispatchError) as e:
-        direct_task(info, lambda v: v, _Inbox("fwd_dense-s0-m0-n0-abc"))
+        run_program(prog)
     text = str(e.value)
     assert time.perf_counter() - t0 < 5
-    assert "fwd_dense-s1-m0-n1-abc on slot1 waited 0.3 s" in text
-    assert "fwd_dense-s0-m0-n0-abc from slot0" in text and "dagdiff.direct.timeout" in text
+    assert f"{key} on slot1 waited 0.3 s for input {src} from slot0" in text
+    assert "dagdiff.direct.timeout" in text
+
+
+def test_a_dead_producer_is_noticed_while_waiting(monkeypatch: Any) -> None:
+    import socket
+
+    from dask._task_spec import Task, TaskRef
+
+    from dagdiff import direct
+
+    with socket.socket() as sock:          # a port nobody listens on any more
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setattr(direct, "PROBE_AFTER", 0.2)
+    src = "vjp_dense-s1-m0-n1-abc"
+    key = "vjp_dense-s0-m0-n0-abc"
+    action = DirectAction(key, Task(key, _identity, TaskRef(src)), ((src, "slot1"),), 0, (),
+                          True)
+    prog = Program("prog_slot0-n0-abc", "s-probe", "slot0", (action,), (), timeout=60,
+                   peers=(("slot1", "tcp://127.0.0.1:1", ("127.0.0.1", port, b"k" * 16)),))
+    t0 = time.perf_counter()
+    with pytest.raises(dd.DirectDispatchError, match="which no longer runs") as e:
+        run_program(prog)
+    assert time.perf_counter() - t0 < 10
+    assert f"waits for input {src} from slot1 at tcp://127.0.0.1:1" in str(e.value)
+
+
+def _identity(v: Any) -> Any:
+    return v
 
 
 def test_channel_delivers_in_order_and_refuses_a_wrong_key() -> None:
@@ -322,8 +367,6 @@ def test_trainer_steps_in_flight_with_dropped_losses_match_scheduler_dispatch(
 def test_in_process_workers_fall_back_to_scheduler_dispatch() -> None:
     """processes=False: workers talk inproc:// and have no TCP channel, so pipelines use
     scheduler dispatch (and stay correct)."""
-    from dagdiff.direct import direct_task as dt
-
     from distributed import Client
 
     cluster = dd.local_cluster(n_workers=2, dashboard_address=None, quiet=True,
@@ -337,8 +380,62 @@ def test_in_process_workers_fall_back_to_scheduler_dispatch() -> None:
                 params, x, t)
             got_l, got_g = client.compute([loss, grads], sync=True)
         funcs = {getattr(v, "func", None) for v in dict(loss.__dask_graph__()).values()}
-        assert dt not in funcs
+        assert run_program not in funcs
         want_l, want_g = jax.value_and_grad(loss_fn)(params, x, t)
+        np.testing.assert_allclose(got_l, want_l, rtol=1e-5)
+        close(got_g, want_g)
+    finally:
+        client.close()
+        cluster.close()
+
+
+def _exit_process() -> None:
+    import os
+    import threading
+
+    threading.Timer(0.1, os._exit, (1,)).start()
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_worker_lost_mid_step_fails_the_step_in_seconds() -> None:
+    """The worker of stage 1 dies while the step runs: its program is not run again on
+    the replacement, stage 0 notices that its producer is gone, and the caller gets a
+    DirectDispatchError long before the 600 s wait timeout; the next step runs.
+    (resident=False: with parameters scattered to the lost worker Dask itself cancels
+    the step at once, "lost scattered data".)"""
+    from distributed import Client
+
+    from dagdiff.simulated import sleepy_pipeline
+
+    cluster = dd.local_cluster(n_workers=2, dashboard_address=None, quiet=True)
+    client = Client(cluster, set_as_default=False)
+    try:
+        fn = sleepy_pipeline(2, 0.5)
+        params = [jnp.float32(1.0)] * 2
+        with client.as_current():
+            loss, grads = dd.value_and_grad(fn, microbatches=4, schedule="1f1b",
+                                            resident=False)(params, jnp.ones((4, 4)))
+            futures = client.compute([loss, grads])
+            deadline = time.time() + 30
+            while sum(client.run(_running).values()) < 2 and time.time() < deadline:
+                time.sleep(0.05)
+            slots = dd.cluster.slot_names(client)
+            victim = next(a for a, name in slots.items() if name.endswith("1"))
+            t0 = time.perf_counter()
+            client.run(_exit_process, workers=[victim])
+            with pytest.raises(dd.DirectDispatchError, match="lost or restarted"):
+                client.gather(futures)
+            assert time.perf_counter() - t0 < 60
+            del futures
+            client.wait_for_workers(2, timeout=60)
+            p2 = [jnp.float32(2.0)] * 2
+            fast = sleepy_pipeline(2, 0.0)
+            loss, grads = dd.value_and_grad(fast, microbatches=4, schedule="1f1b")(
+                p2, jnp.ones((4, 4)))
+            got_l, got_g = client.compute([loss, grads], sync=True)
+        want_l, want_g = jax.value_and_grad(fast)(p2, jnp.ones((4, 4)))
         np.testing.assert_allclose(got_l, want_l, rtol=1e-5)
         close(got_g, want_g)
     finally:
