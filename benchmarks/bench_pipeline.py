@@ -54,6 +54,30 @@ def run(client: Any, schedule: str, p: int, m: int, f: float, repeat: int,
     return best
 
 
+def stand_in_times(f: float, n: int = 7) -> tuple[float, float]:
+    """Median seconds of one stand-in stage's forward (with its VJP) and backward, run
+    alone on a worker: what the schedule formulas call F and B = 2F."""
+    import jax
+
+    from dagdiff.simulated import _sleepy_op
+
+    op = _sleepy_op(f, f, f)
+    fv = jax.jit(lambda p, x: jax.vjp(op, p, x))
+    bw = jax.jit(lambda pb, ct: pb(ct))
+    p, x = jnp.float32(1.0), jnp.ones((1, 4))
+    fs, bs = [], []
+    for i in range(n + 1):
+        t0 = time.perf_counter()
+        out, pb = jax.block_until_ready(fv(p, x))
+        t1 = time.perf_counter()
+        jax.block_until_ready(bw(pb, jnp.ones_like(out)))
+        t2 = time.perf_counter()
+        if i:
+            fs.append(t1 - t0)
+            bs.append(t2 - t1)
+    return sorted(fs)[n // 2], sorted(bs)[n // 2]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--p", type=int, default=4)
@@ -68,6 +92,9 @@ def main() -> None:
     client = Client(cluster)
     print(f"p = {p} workers, F = I = W = {a.f_ms:g} ms (B = 2F); span = first to last "
           "F/B/I/W task; wall = submit to result")
+    sf, sb = client.submit(stand_in_times, f, pure=False).result()
+    print(f"stand-in stage alone on a worker: F {sf * 1e3:.1f} ms, B {sb * 1e3:.1f} ms "
+          f"(nominal {a.f_ms:g}, {2 * a.f_ms:g})")
     print(f"{'schedule':<12} {'m':>3} {'dispatch':<9} {'span s':>7} {'ideal s':>7} "
           f"{'ratio':>6} {'bubble':>7} {'formula':>8} {'wall s':>7} {'wall/ideal':>10}")
     for m in a.ms:

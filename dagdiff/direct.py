@@ -40,6 +40,7 @@ from dask._task_spec import DataNode, Task, TaskRef
 
 from .errors import DagdiffError, PlacementError
 from .keys import make_key
+from .tasks import leaves_read
 
 __all__ = [
     "DirectDispatchError",
@@ -86,6 +87,7 @@ class Remote:
     address: str                  # its Dask address
     endpoint: Any                 # its `dagdiff.channel` endpoint
     uses: int                     # consumer actions there
+    leaves: frozenset[int] | None = None   # the leaves they read (None: all)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +175,7 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
             readers[d].append(k)
     exports = {d for k, t in dsk.items() if k not in direct and isinstance(t, Task)
                for d in t.dependencies if d in direct}
+    reads = {k: leaves_read(dsk[k]) for k in direct}
     order = linearize(inbox, {k: worker_of[k] for k in direct},
                       {k: priority[k] for k in direct if k in priority})
     step = f"{token}-{uuid.uuid4().hex[:12]}"
@@ -188,7 +191,9 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
             t = dsk.pop(k)
             by_worker = collections.Counter(worker_of[c] for c in readers.get(k, ()))
             local = by_worker.pop(w, 0)
-            remote = tuple(Remote(ww, addr(ww), (endpoints or {}).get(addr(ww)), n)
+            remote = tuple(Remote(ww, addr(ww), (endpoints or {}).get(addr(ww)), n,
+                                  _leaves(k, [c for c in readers[k] if worker_of[c] == ww],
+                                          reads))
                            for ww, n in sorted(by_worker.items()))
             kwargs = {n: v for n, v in t.kwargs.items() if not _ordering_only(n, v, direct)}
             statics.update(d for d in deps_of[k] if d not in direct)
@@ -216,6 +221,18 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
         if k in keep and isinstance(t, Task):
             dsk[k] = Task(k, _after, len(done_refs), *done_refs, t.func, *t.args, **t.kwargs)
     return DirectPlan(dsk, order, out_priority, placed, programs)
+
+
+def _leaves(key: str, consumers: list[str],
+            reads: Mapping[str, Mapping[str, frozenset[int] | None]]) -> frozenset[int] | None:
+    """The leaves of `key`'s value that `consumers` read (None: the whole value)."""
+    out: set[int] = set()
+    for c in consumers:
+        got = reads[c].get(key)
+        if got is None:
+            return None
+        out |= got
+    return frozenset(out)
 
 
 def sanitize_where(where: str) -> str:
@@ -577,15 +594,18 @@ def _secede() -> None:
 
 
 def _send(prog: Program, a: Action, value: Any, error: str | None) -> None:
-    """Send the value (or error) to the consumers on other workers; raises
-    `DirectDispatchError` naming the first consumer worker that could not be reached."""
+    """Send the value (only the leaves each worker reads) or the error to the consumers
+    on other workers; raises `DirectDispatchError` naming the first consumer worker
+    that could not be reached."""
     if not a.remote:
         return
-    wire = _wire(value) if error is None else None
     failed = []
+    wires: dict[frozenset[int] | None, Any] = {}
     for r in a.remote:
+        if error is None and r.leaves not in wires:
+            wires[r.leaves] = _wire(value, r.leaves)
         msg = {"step": prog.step, "where": r.where, "key": a.key, "uses": r.uses,
-               "error": error, "value": wire}
+               "error": error, "value": wires.get(r.leaves)}
         try:
             if r.endpoint is None:
                 raise DirectDispatchError(f"no dagdiff channel on {r.address}")
@@ -613,10 +633,11 @@ def _send_error(prog: Program, a: Action, error: BaseException) -> None:
         log.warning("dagdiff: %s", e)
 
 
-def _wire(value: Any) -> Any:
-    """What another worker receives: forward results without their pullback, and jax
-    arrays as NumPy arrays (pickled without JAX's reconstruction cost; the consumer's
-    jitted function puts them on its device)."""
+def _wire(value: Any, leaves: frozenset[int] | None = None) -> Any:
+    """What another worker receives: forward results without their pullback, only the
+    `leaves` it reads of a tuple or forward result (the others None, so indices hold),
+    and jax arrays as NumPy arrays (pickled without JAX's reconstruction cost; the
+    consumer's jitted function puts them on its device)."""
     import jax
     import numpy as np
 
@@ -625,11 +646,15 @@ def _wire(value: Any) -> Any:
     def host(x: Any) -> Any:
         return np.asarray(x) if isinstance(x, jax.Array) else x
 
+    def keep(i: int) -> bool:
+        return leaves is None or i in leaves
+
     if isinstance(value, FwdResult):
-        return FwdResult([host(x) for x in value.out], None, moved=True,
-                         res=jax.tree_util.tree_map(host, value.res))
+        return FwdResult([host(x) if keep(i) else None for i, x in enumerate(value.out)],
+                         None, moved=True,
+                         res=jax.tree_util.tree_map(host, value.res) if leaves is None else None)
     if isinstance(value, (tuple, list)):
-        return type(value)(_wire(v) for v in value)
+        return type(value)(_wire(v) if keep(i) else None for i, v in enumerate(value))
     return host(value)
 
 

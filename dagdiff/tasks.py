@@ -23,6 +23,7 @@ __all__ = [
     "vjp_task",
     "sum_task",
     "select_task",
+    "leaves_read",
     "slice_task",
     "mean_task",
     "acc_task",
@@ -424,3 +425,52 @@ def acc_task(layout: tuple[Any, ...], dev: int | None, prev: Any, *vals: Any,
 def select_task(src: int, value: Any) -> Any:
     """One leaf of a forward result (the loss, an aux output)."""
     return _take(value, src)
+
+
+def leaves_read(task: Any) -> dict[str, frozenset[int] | None]:
+    """Which leaves of each dependency a task reads: leaf indices of a tuple or
+    `FwdResult` value, or None for the whole value. Direct dispatch sends another
+    worker only those (a VJP result holds the weight gradients, which stay on the
+    stage, next to the input cotangent the previous stage needs)."""
+    from dask._task_spec import TaskRef
+
+    reads: dict[str, set[int] | None] = {}
+
+    def read(ref: Any, src: int | None) -> None:
+        if not isinstance(ref, TaskRef):
+            return
+        if src is None or src < 0:
+            reads[ref.key] = None
+        elif ref.key not in reads or reads[ref.key] is not None:
+            reads.setdefault(ref.key, set()).add(src)  # type: ignore[union-attr]
+
+    f, a, kw = task.func, list(task.args), dict(task.kwargs)
+    known = True
+    if f is fwd_task:
+        srcs, vals = a[1], a[3:]
+        for s, v in zip(srcs, vals):
+            read(v, s)
+    elif f is vjp_task:
+        srcs, ct_srcs, fwd, vals = a[1], a[3], a[5], a[6:]
+        read(fwd, None)
+        for s, v in zip([c for c in ct_srcs if c is not None] + list(srcs), vals):
+            read(v, s)
+    elif f is sum_task:
+        for s, v in zip(a[0], a[3:]):
+            read(v, s)
+    elif f is acc_task:
+        layout, vals = a[0], a[3:]
+        read(a[2], None)
+        for entries, _ in layout:
+            for j, s in entries:
+                read(vals[j], s)
+    elif f is select_task:
+        read(a[1], a[0])
+    elif f is slice_task:
+        read(a[3], a[4] if len(a) > 4 else kw.get("src", -1))
+    else:
+        known = False
+    for v in list(a) + list(kw.values()):
+        if isinstance(v, TaskRef) and (not known or v.key not in reads):
+            read(v, None)       # anything else (ordering edges, unknown tasks): whole
+    return {k: (None if v is None else frozenset(v)) for k, v in reads.items()}

@@ -11,6 +11,7 @@ back to the client.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import uuid
 import weakref
 from dataclasses import dataclass
@@ -57,14 +58,18 @@ class TrainState:
         return self.placed is not None
 
 
-def _update_task(optimizer: Any, n: int, state: Any, *grads: Any, **after: Any) -> tuple:
+def _update_task(optimizer: "_Scaled", n: int, state: Any, *grads: Any, **after: Any) -> tuple:
     """One optax step for one stage's parameter leaves: (new leaves..., new opt state)."""
-    import optax
-
     params, opt_state = list(state[:n]), state[n]
-    updates, new_state = optimizer.update(list(grads), opt_state, params)
-    new = optax.apply_updates(params, updates)
+    new, new_state = optimizer.compiled()(params, opt_state, list(grads))
     return (*jax.block_until_ready(new), new_state)
+
+
+# jitted optimizer steps per (trainer, replica count), kept on each worker: the optimizer
+# arrives pickled with every task (optax transforms are closures, re-created on each
+# unpickling), so a cache keyed by the object would compile on every step
+_COMPILED_UPDATES: dict[str, Any] = {}
+_UPDATES_LOCK = threading.Lock()
 
 
 def _pack_task(*values: Any) -> tuple:
@@ -321,7 +326,7 @@ class Trainer:
                 stage = model.group_stage[g] + r * model.p
                 k = make_key("update", f"g{g}", g, token, stage, r)
                 grads = [TaskRef(mean_grad[model.param_nodes[i]]) for i in leaves]
-                scale = _Scaled(self.optimizer, r_count)
+                scale = _Scaled(self.optimizer, r_count, f"{self._uid}-r{r_count}")
                 state_ref = state_refs[(r, g)]
                 ref = TaskRef(state_ref) if isinstance(state_ref, str) else state_ref
                 dsk[k] = Task(k, _update_task, scale, len(leaves), ref, *grads)
@@ -394,15 +399,32 @@ def _result(x: Any) -> Any:
 
 
 class _Scaled:
-    """An optax transform applied to the replica-summed gradients divided by r."""
+    """An optax transform applied to the replica-summed gradients divided by r; `key`
+    names it stably across tasks (the trainer and r) for the workers' jit cache."""
 
-    def __init__(self, optimizer: Any, r: int) -> None:
-        self.optimizer, self.r = optimizer, r
+    def __init__(self, optimizer: Any, r: int, key: str = "") -> None:
+        self.optimizer, self.r, self.key = optimizer, r, key
 
     def update(self, grads: Any, state: Any, params: Any) -> Any:
         if self.r > 1:
             grads = [g / self.r for g in grads]
         return self.optimizer.update(grads, state, params)
+
+    def step(self, params: Any, state: Any, grads: Any) -> tuple[Any, Any]:
+        import optax
+
+        updates, new_state = self.update(grads, state, params)
+        return optax.apply_updates(params, updates), new_state
+
+    def compiled(self) -> Any:
+        """The jitted `step`, compiled once per worker process and key."""
+        if not self.key:
+            return jax.jit(self.step)
+        fn = _COMPILED_UPDATES.get(self.key)
+        if fn is None:
+            with _UPDATES_LOCK:
+                fn = _COMPILED_UPDATES.setdefault(self.key, jax.jit(self.step))
+        return fn
 
 
 def _shard(x: Any, axis: int, r: int, n: int) -> Any:

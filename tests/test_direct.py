@@ -441,3 +441,26 @@ def test_a_worker_lost_mid_step_fails_the_step_in_seconds() -> None:
     finally:
         client.close()
         cluster.close()
+
+
+def test_only_the_leaves_a_remote_worker_reads_are_sent() -> None:
+    """A VJP result holds the weight gradients (read by the stage's accumulator) and
+    the input cotangent (read by the previous stage); only the latter travels."""
+    from dagdiff import direct
+    from dagdiff.tasks import leaves_read
+
+    loss_fn = make_loss(2)
+    params, x, t = data(2)
+    loss, _ = dd.value_and_grad(loss_fn, microbatches=2, schedule="1f1b", fuse=False)(
+        params, x, t)
+    dsk = dict(loss.__dask_graph__())
+    vjp1 = next(k for k in dsk if k.startswith("vjp_dense") and "-s1-m0" in k)
+    vjp0 = next(k for k in dsk if k.startswith("vjp_dense") and "-s0-m0" in k)
+    read0 = leaves_read(dsk[vjp0])[vjp1]       # stage 0's VJP reads one leaf of stage 1's
+    assert read0 is not None and len(read0) == 1
+    value = tuple(jnp.full((2, 2), float(i)) for i in range(3))
+    (i,) = read0
+    wire = direct._wire(value, read0)
+    assert [w is None for w in wire] == [j != i for j in range(3)]
+    np.testing.assert_array_equal(wire[i], np.full((2, 2), float(i)))
+    assert all(w is not None for w in direct._wire(value, None))
