@@ -355,16 +355,20 @@ def place(trace: Trace, client: Any, placement: Mapping[int, Any] | None, reside
 
 def build_graph(dsk: dict[str, Any], stage_of: Mapping[str, int | None], targets: Any,
                 token: str, priority: dict[str, int] | None = None,
-                keep: set[str] | None = None, client: Any = None) -> HighLevelGraph:
+                keep: set[str] | None = None, client: Any = None,
+                outputs: set[str] | None = None) -> HighLevelGraph:
     """One HighLevelGraph layer holding every task, with per-key placement annotations
     (and schedule priorities). `keep`: the step's output keys, given to run it with
-    direct dispatch (see `dagdiff.direct`); None keeps every edge a Dask dependency."""
+    direct dispatch (see `dagdiff.direct`); None keeps every edge a Dask dependency.
+    `outputs` (direct dispatch): further outputs read straight from their worker's
+    program (see `dagdiff.direct.rewrite`)."""
     from dask.highlevelgraph import MaterializedLayer
 
     from .placement import annotations_for
 
     if keep is not None and targets.kind in ("slots", "workers"):
-        return _direct_graph(dsk, stage_of, targets, token, priority or {}, keep, client)
+        return _direct_graph(dsk, stage_of, targets, token, priority or {}, keep, client,
+                             outputs or set())
     annotations = annotations_for(stage_of, targets)
     if priority:
         annotations["priority"] = priority.get
@@ -375,7 +379,7 @@ def build_graph(dsk: dict[str, Any], stage_of: Mapping[str, int | None], targets
 
 def _direct_graph(dsk: dict[str, Any], stage_of: Mapping[str, int | None], targets: Any,
                   token: str, priority: dict[str, int], keep: set[str],
-                  client: Any) -> HighLevelGraph:
+                  client: Any, outputs: set[str]) -> HighLevelGraph:
     from dask.highlevelgraph import MaterializedLayer
 
     from .direct import RESOURCE_SHARE, endpoints, rewrite
@@ -385,7 +389,7 @@ def _direct_graph(dsk: dict[str, Any], stage_of: Mapping[str, int | None], targe
     slots = targets.kind == "slots"
     addrs = set((targets.addresses if slots else targets.of).values())
     plan = rewrite(dsk, worker_of, priority, keep, targets.addresses, token, slots=slots,
-                   endpoints=endpoints(client, addrs))
+                   endpoints=endpoints(client, addrs), outputs=outputs)
     where = {k: w for k, w in worker_of.items() if w is not None}
     where.update(plan.placed)
     prio = {**priority, **plan.priority}

@@ -118,9 +118,11 @@ class Program:
     peers: tuple[tuple[str, str, Any], ...] = ()
     #: the channel endpoint of the worker process the program was built for
     endpoint: Any = None
+    #: (where, address, endpoint) of the step's other programs, for the closing exchange
+    members: tuple[tuple[str, str, Any], ...] = ()
 
     def peer(self, where: str) -> tuple[str, Any]:
-        for w, address, ep in self.peers:
+        for w, address, ep in self.peers + self.members:
             if w == where:
                 return address, ep
         return where, None
@@ -142,9 +144,17 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
             priority: Mapping[str, int], keep: set[str], addresses: Mapping[str, str],
             token: str, slots: bool = True,
             timeout: float | None = None,
-            endpoints: Mapping[str, Any] | None = None) -> DirectPlan:
-    """Turn every task that has a worker (and is not in `keep`, the step's outputs, and
-    does not wait on an ordinary task) into an action of its worker's program.
+            endpoints: Mapping[str, Any] | None = None,
+            outputs: set[str] = frozenset()) -> DirectPlan:  # type: ignore[assignment]
+    """Turn every task that has a worker (and is not in `keep`, the step's outputs that
+    stay ordinary tasks, and does not wait on an ordinary task) into an action of its
+    worker's program.
+
+    `keep` outputs wait for every program of the step (so computing any of them runs
+    the whole step). `outputs` are keys the caller reads straight from their program
+    (e.g. a Trainer's new parameters, read by the next step on the same worker): they
+    cost no cross-worker Dask edge, and the programs' closing exchange (`run_program`)
+    makes each of them fail when any program of the step fails.
 
     `worker_of`: key -> slot name (or address when `slots` is False); `priority`: the
     schedule's priorities (higher runs earlier on its worker; keys without one are small
@@ -174,7 +184,7 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
         for d in ds:
             readers[d].append(k)
     exports = {d for k, t in dsk.items() if k not in direct and isinstance(t, Task)
-               for d in t.dependencies if d in direct}
+               for d in t.dependencies if d in direct} | (set(outputs) & direct)
     reads = {k: leaves_read(dsk[k]) for k in direct}
     order = linearize(inbox, {k: worker_of[k] for k in direct},
                       {k: priority[k] for k in direct if k in priority})
@@ -203,8 +213,10 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
         pk = make_key("program", sanitize_where(w), i, token)
         srcs = sorted({src for a in actions for _, src in a.inputs if src != w})
         peers = tuple((src, addr(src), (endpoints or {}).get(addr(src))) for src in srcs)
+        members = tuple((ww, addr(ww), (endpoints or {}).get(addr(ww)))
+                        for ww in sorted(order) if ww != w)
         prog = Program(pk, step, w, tuple(actions), tuple(sorted(statics)), timeout, peers,
-                       (endpoints or {}).get(addr(w)))
+                       (endpoints or {}).get(addr(w)), members)
         dsk[pk] = Task(pk, run_program, prog, *[TaskRef(s) for s in prog.statics])
         programs[pk] = placed[pk] = w
         out_priority[pk] = base
@@ -505,12 +517,51 @@ def run_program(prog: Program, /, *static_values: Any) -> dict[str, Any]:
                     failure = e
                     local.clear()
             _send_error(prog, a, failure)
+        failure = _close(st, prog, failure)
     finally:
         _RUNNING.pop(prog.key, None)
         _finish(here)
     if failure is not None:
         raise failure
     return exports
+
+
+def _close(st: _Step, prog: Program, failure: BaseException | None) -> BaseException | None:
+    """The step's closing exchange: tell every other program of the step how this one
+    ended, then (if it succeeded) wait until each of them says how it ended. A program
+    returns only when the whole step succeeded, so what its outputs hand on (e.g. new
+    parameters to the next step) never outlives a failure elsewhere in the step."""
+    if not prog.members:
+        return failure
+    mark = f"{_END}{prog.where}"
+    msg = None if failure is None else (
+        str(failure) if isinstance(failure, (UpstreamError, DirectDispatchError)) else
+        f"the step failed on {prog.where}: {type(failure).__name__}: {failure}")
+    from .channel import send
+
+    for where, address, ep in prog.members:
+        try:
+            if ep is None:
+                raise DirectDispatchError(f"no dagdiff channel on {address}")
+            send(ep, {"step": prog.step, "where": where, "key": mark, "uses": 1,
+                      "error": msg, "value": None})
+        except Exception as e:
+            if failure is None:
+                failure = DirectDispatchError(
+                    f"{prog.key} could not tell {where} at {address} that it finished "
+                    f"({type(e).__name__}: {e}): the worker was lost or restarted mid-step")
+    if failure is not None:
+        return failure
+    end = Action(f"{prog.key} (closing exchange)", Task(mark, _done, None), (), 0, (), False)
+    try:
+        for where, _, _ in prog.members:
+            _take_remote(st, prog, end, f"{_END}{where}", where)
+    except BaseException as e:
+        return e
+    return None
+
+
+_END = "__end__/"
 
 
 def _take_local(local: dict[str, list[Any]], key: str) -> Any:

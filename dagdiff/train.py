@@ -335,8 +335,12 @@ class Trainer:
         lk = make_key("loss", "step", state.step, token)
         dsk[lk] = Task(lk, mean_task, *map(TaskRef, replica_loss))
         stage_of[lk] = None
-        keep = {lk, *new_placed.values()} if direct else None
-        graph = build_graph(dsk, stage_of, targets, token, priority, keep, self.client)
+        # direct dispatch: the new parameters come straight from their stage's program
+        # (the next step's program on that worker reads them without a cross-worker
+        # Dask edge); the loss waits for the whole step
+        keep = {lk} if direct else None
+        graph = build_graph(dsk, stage_of, targets, token, priority, keep, self.client,
+                            outputs=set(new_placed.values()))
         outs = to_delayed(graph, token, [OutKey(lk)] + [OutKey(k) for k in new_placed.values()])
         if self.client is None:
             import dask
