@@ -1,7 +1,7 @@
 """Pipeline schedules on a real cluster, with sleep-based stages (F = I = W, B = 2F).
 
 For p = 4 workers and m = 8, 16 microbatches, prints per schedule and dispatch mode
-("direct": tasks submitted at once, run in schedule order on each worker, values sent
+("direct": one program per worker runs its actions in schedule order, values sent
 worker to worker; "scheduler": every edge a Dask dependency) the measured schedule
 makespan (first to last F/B/I/W task, from dd.record), its ideal, their ratio, the
 measured bubble next to the formula, and the whole step's wall time (submit to result).

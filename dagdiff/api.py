@@ -194,11 +194,12 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
     gradient (equal to the full-batch ones for a mean loss); with `has_aux`, aux is a
     list with one entry per microbatch.
 
-    ``dispatch`` (pipelines on a cluster): "direct" (the default there) submits a step's
-    tasks at once; each worker runs them in its schedule order and sends activations and
-    cotangents straight to the next worker, with no scheduler round trip per action (see
-    `dagdiff.direct`). "scheduler" keeps every edge a Dask dependency (ordering edges
-    between a worker's actions): slower per action, but Dask recomputes lost work.
+    ``dispatch`` (pipelines on a cluster): "direct" (the default there) runs each worker's
+    part of a step as one Dask task (its program), in its schedule order, sending
+    activations and cotangents straight to the next worker, with no scheduler round trip
+    or Dask task per action (see `dagdiff.direct`). "scheduler" keeps every edge a Dask
+    dependency (ordering edges between a worker's actions): slower per action, but Dask
+    recomputes lost work.
     """
     fname = getattr(fn, "__name__", "fn")
     if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:

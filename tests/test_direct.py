@@ -161,7 +161,7 @@ def test_a_failing_task_reaches_the_caller_and_the_cluster_goes_on(client2: Any)
         loss, grads = dd.value_and_grad(loss_fn, microbatches=4, schedule="1f1b")(p2, x2, t2)
         got = client2.compute(loss, sync=True)
     np.testing.assert_allclose(got, jax.value_and_grad(loss_fn)(p2, x2, t2)[0], rtol=1e-5)
-    # no direct task is left waiting on any worker
+    # no program is left waiting on any worker
     assert _waiting(client2) == 0
 
 
@@ -464,3 +464,59 @@ def test_only_the_leaves_a_remote_worker_reads_are_sent() -> None:
     assert [w is None for w in wire] == [j != i for j in range(3)]
     np.testing.assert_array_equal(wire[i], np.full((2, 2), float(i)))
     assert all(w is not None for w in direct._wire(value, None))
+
+
+def _fragile_fwd(w: Any, x: Any) -> Any:
+    x, w = np.asarray(x), np.asarray(w)
+    if np.any(np.abs(x) > 100):
+        raise RuntimeError("fragile: input too large")
+    return x @ w, (w, x)
+
+
+def _fragile_bwd(res: Any, ct: Any) -> Any:
+    w, x = res
+    ct = np.asarray(ct)
+    return x.T @ ct, ct @ w.T
+
+
+fragile = dd.custom_layer(_fragile_fwd, _fragile_bwd, name="fragile")
+
+
+@dd.layer
+def _linear(w: Any, x: Any) -> Any:
+    return x @ w
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_a_failed_trainer_step_fails_every_stage_and_the_next_step(client2: Any) -> None:
+    """Stage 1 fails; stage 0 has finished its own actions, but its new parameters must
+    not come out as if the step had worked (the programs' closing exchange), and the
+    next step fails too instead of waiting for stage 1."""
+    import optax
+
+    def loss_fn(params: Any, x: Any, t: Any) -> Any:
+        with dd.stage(0):
+            h = _linear(params[0], x)
+        with dd.stage(1):
+            return _mse(fragile(params[1], h), t)
+
+    params = [jnp.eye(8), jnp.eye(8)]
+    ok, bad = jnp.ones((8, 8)), jnp.full((8, 8), 1000.0)
+    tr = dd.Trainer(loss_fn, optax.sgd(0.01), microbatches=2, schedule="1f1b",
+                    client=client2, dispatch="direct")
+    state = tr.init(params, ok, ok)
+    state, l1 = tr.step(state, ok, ok)
+    state, l2 = tr.step(state, bad, ok)
+    failed = state
+    state, l3 = tr.step(state, ok, ok)
+    assert np.isfinite(l1.result(timeout=60))
+    with pytest.raises(Exception, match="fragile: input too large"):
+        l2.result(timeout=60)
+    assert len(failed.placed) == 2
+    for group, fut in failed.placed.items():
+        with pytest.raises(Exception, match="fragile: input too large"):
+            fut.result(timeout=60)
+    with pytest.raises(Exception, match="fragile: input too large"):
+        l3.result(timeout=60)
+    assert _waiting(client2) == 0

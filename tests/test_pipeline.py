@@ -139,7 +139,7 @@ def test_user_schedule_subclass() -> None:
 def executed_orders(client: Any, loss_fn: Any, args: Any, m: int, schedule: str,
                     p: int, dispatch: str | None = None) -> tuple[list[list[str]], Any]:
     """Per worker, the F/B/I/W actions in the order they computed (dd.record: the task
-    stream, with direct tasks' compute times read from their workers)."""
+    stream, with direct-dispatch programs' actions read from their workers)."""
     with client.as_current():
         loss, grads = dd.value_and_grad(loss_fn, microbatches=m, schedule=schedule,
                                         dispatch=dispatch)(*args)
