@@ -405,6 +405,7 @@ class _Step:
         self.values: dict[str, list[Any]] = {}      # key -> [value, uses left]
         self.errors: dict[str, str] = {}
         self.abort: str | None = None
+        self.failed: str | None = None              # another program of the step failed
         self.created = _time.monotonic()
         self.started = False
 
@@ -499,6 +500,8 @@ def run_program(prog: Program, /, *static_values: Any) -> dict[str, Any]:
                               for k, src in a.inputs}
                     if st.abort is not None:
                         raise DirectDispatchError(f"{a.key} on {prog.where}: {st.abort}")
+                    if st.failed is not None:
+                        raise UpstreamError(st.failed)
                     values.update((d, statics[d]) for d in a.task.dependencies
                                   if d not in values)
                     t0 = time()
@@ -586,6 +589,8 @@ def _take_remote(st: _Step, prog: Program, a: Action, key: str, src: str) -> Any
         while key not in st.values and key not in st.errors:
             if st.abort is not None:
                 raise DirectDispatchError(f"{a.key} on {prog.where}: {st.abort}")
+            if st.failed is not None:        # no need to wait for the rest of the step
+                raise UpstreamError(st.failed)
             now = _time.monotonic()
             left = deadline - now
             if left <= 0:
@@ -719,6 +724,8 @@ def _deliver(msg: dict[str, Any]) -> None:
             st.values[msg["key"]] = [msg["value"], msg["uses"]]
         else:
             st.errors[msg["key"]] = msg["error"]
+            if msg["key"].startswith(_END) and st.failed is None:
+                st.failed = msg["error"]
         st.cond.notify_all()
 
 
