@@ -316,7 +316,9 @@ def prepare(trace: Trace, loss: Traced, aux: Any, client: Any, stages: int | str
         if stages == "auto":
             import jax as _jax
 
-            n = (len(client.scheduler_info()["workers"]) if client is not None
+            from .cluster import workers_info
+
+            n = (len(workers_info(client)) if client is not None
                  else len(_jax.local_devices()))
         elif isinstance(stages, int) and not isinstance(stages, bool) and stages > 0:
             n = stages

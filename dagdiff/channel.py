@@ -38,7 +38,7 @@ def start(host: str, handler: Callable[[dict[str, Any]], None]) -> Endpoint:
         if "endpoint" in _SERVER:
             return _SERVER["endpoint"]
         key = os.urandom(16)
-        listener = Listener((host, 0), authkey=key)
+        listener = Listener((host, 0), authkey=key, backlog=64)
         ep: Endpoint = (host, listener.address[1], key)
         _SERVER.update(listener=listener, endpoint=ep)
     threading.Thread(target=_accept, args=(listener,), name="dagdiff-channel-accept",
@@ -114,16 +114,20 @@ def send(ep: Endpoint, msg: dict[str, Any]) -> None:
     peer.send(msg)
 
 
-def reachable(ep: Endpoint, timeout: float = 2.0) -> bool:
-    """Whether a listener still accepts connections at `ep` (a TCP connect, closed at
-    once without a message; False when refused or timed out)."""
+def reachable(ep: Endpoint, timeout: float = 5.0) -> bool | None:
+    """Whether a listener still runs at `ep`: True when a TCP connect succeeds (closed at
+    once, without a message), False only when it is refused (nothing listens on that
+    port: the process ended), None when it cannot tell (timed out, e.g. a busy or
+    unreachable machine)."""
     import socket
 
     try:
         with socket.create_connection((ep[0], ep[1]), timeout=timeout):
             return True
-    except OSError:
+    except ConnectionRefusedError:
         return False
+    except OSError:
+        return None
 
 
 def close_all() -> None:

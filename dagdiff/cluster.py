@@ -11,7 +11,7 @@ import shutil
 import subprocess
 from typing import Any
 
-__all__ = ["local_cluster", "gpu_count", "slot_names", "CPU_WORKER_ENV"]
+__all__ = ["local_cluster", "gpu_count", "slot_names", "workers_info", "CPU_WORKER_ENV"]
 
 #: keeps XLA's CPU thread pool at one thread per single-threaded worker (no oversubscription)
 CPU_WORKER_ENV = {
@@ -135,19 +135,21 @@ def local_cluster(
 
 def slot_names(client: Any) -> dict[str, str]:
     """Worker address -> its ``slot<i>`` resource name, read from the scheduler."""
-    info = client.scheduler_info(n_workers=-1) if _accepts_n(client) else client.scheduler_info()
     out = {}
-    for addr, w in info["workers"].items():
+    for addr, w in workers_info(client).items():
         slots = [r for r in (w.get("resources") or {}) if r.startswith("slot")]
         if slots:
             out[addr] = slots[0]
     return out
 
 
-def _accepts_n(client: Any) -> bool:
-    import inspect
-
-    try:
-        return "n_workers" in inspect.signature(client.scheduler_info).parameters
-    except (TypeError, ValueError):
-        return False
+def workers_info(client: Any) -> dict[str, Any]:
+    """Every worker's entry of the scheduler's identity, asked directly: the client's
+    cached `scheduler_info()` is also refreshed by a periodic callback that lists no
+    workers, which can overwrite it between the refresh and the read."""
+    if not getattr(client, "asynchronous", False):
+        try:
+            return dict(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
+        except TypeError:                   # an older scheduler without n_workers
+            return dict(client.sync(client.scheduler.identity)["workers"])
+    return dict(client.scheduler_info()["workers"])

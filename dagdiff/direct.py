@@ -631,7 +631,7 @@ def _probe(prog: Program, a: Action, key: str, src: str) -> None:
         return
     from .channel import reachable
 
-    if not reachable(ep):
+    if reachable(ep) is False:               # refused: nothing listens there any more
         raise DirectDispatchError(
             f"{a.key} on {prog.where} waits for input {key} from {src} at {address}, which "
             "no longer runs (the worker was lost or restarted mid-step). Run the step "

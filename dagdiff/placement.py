@@ -87,7 +87,9 @@ def resolve_targets(stages: set[int], client: Any, placement: Mapping[int, Any] 
 
     slots = slot_names(client)
     if not slots:
-        workers = sorted(client.scheduler_info()["workers"])
+        from .cluster import workers_info
+
+        workers = sorted(workers_info(client))
         if not workers:
             raise PlacementError("the distributed cluster has no workers; start some first")
         log.warning("dagdiff: workers have no slot<i> resources (start them with "
