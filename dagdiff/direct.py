@@ -406,6 +406,8 @@ class _Step:
         self.errors: dict[str, str] = {}
         self.abort: str | None = None
         self.failed: str | None = None              # another program of the step failed
+        self.pending = 0                            # values of ours still being sent
+        self.send_errors: list[str] = []            # values of ours that could not be
         self.created = _time.monotonic()
         self.started = False
 
@@ -502,6 +504,8 @@ def run_program(prog: Program, /, *static_values: Any) -> dict[str, Any]:
                         raise DirectDispatchError(f"{a.key} on {prog.where}: {st.abort}")
                     if st.failed is not None:
                         raise UpstreamError(st.failed)
+                    if st.send_errors:
+                        raise _send_failure(prog, st)
                     values.update((d, statics[d]) for d in a.task.dependencies
                                   if d not in values)
                     t0 = time()
@@ -513,7 +517,7 @@ def run_program(prog: Program, /, *static_values: Any) -> dict[str, Any]:
                         local[a.key] = [out, a.local]
                     if a.export:
                         exports[a.key] = out
-                    _send(prog, a, out, None)
+                    _post(st, prog, a, out)
                     del out
                     continue
                 except BaseException as e:
@@ -534,6 +538,8 @@ def _close(st: _Step, prog: Program, failure: BaseException | None) -> BaseExcep
     ended, then (if it succeeded) wait until each of them says how it ended. A program
     returns only when the whole step succeeded, so what its outputs hand on (e.g. new
     parameters to the next step) never outlives a failure elsewhere in the step."""
+    if failure is None:
+        failure = _flush(st, prog)
     if not prog.members:
         return failure
     mark = f"{_END}{prog.where}"
@@ -591,6 +597,8 @@ def _take_remote(st: _Step, prog: Program, a: Action, key: str, src: str) -> Any
                 raise DirectDispatchError(f"{a.key} on {prog.where}: {st.abort}")
             if st.failed is not None:        # no need to wait for the rest of the step
                 raise UpstreamError(st.failed)
+            if st.send_errors:
+                raise _send_failure(prog, st)
             now = _time.monotonic()
             left = deadline - now
             if left <= 0:
@@ -676,6 +684,65 @@ def _send(prog: Program, a: Action, value: Any, error: str | None) -> None:
             f"{'; '.join(failed)}: the worker was lost or restarted mid-step, or does not "
             "run dagdiff (start workers with --preload dagdiff). Run the step again, or "
             "use dispatch='scheduler'.")
+
+
+def _post(st: _Step, prog: Program, a: Action, value: Any) -> None:
+    """Queue the value (only the leaves each worker reads) for the consumers on other
+    workers: each peer's sender thread converts, pickles and writes it while this
+    program goes on; failures are collected on the step (`_send_failure`)."""
+    if not a.remote:
+        return
+    from .channel import post
+
+    for r in a.remote:
+        if r.endpoint is None:
+            with st.cond:
+                st.send_errors.append(f"{a.key} to {r.where} at {r.address} (no dagdiff "
+                                      "channel there)")
+            continue
+
+        def message(r: Remote = r) -> dict[str, Any]:
+            return {"step": prog.step, "where": r.where, "key": a.key, "uses": r.uses,
+                    "error": None, "value": _wire(value, r.leaves)}
+
+        def done(error: BaseException | None, r: Remote = r) -> None:
+            with st.cond:
+                st.pending -= 1
+                if error is not None:
+                    st.send_errors.append(f"{a.key} to {r.where} at {r.address} "
+                                          f"({type(error).__name__}: {error})")
+                st.cond.notify_all()
+
+        with st.cond:
+            st.pending += 1
+        post(r.endpoint, message, done)
+
+
+def _send_failure(prog: Program, st: _Step) -> DirectDispatchError:
+    return DirectDispatchError(
+        f"{prog.where} could not send {'; '.join(st.send_errors[:3])}: the worker was "
+        "lost or restarted mid-step, or does not run dagdiff (start workers with "
+        "--preload dagdiff). Run the step again, or use dispatch='scheduler'.")
+
+
+def _flush(st: _Step, prog: Program) -> BaseException | None:
+    """Wait until every value this program queued was written (or failed)."""
+    import time as _time
+
+    deadline = _time.monotonic() + prog.timeout
+    with st.cond:
+        while st.pending > 0 and not st.send_errors:
+            if st.abort is not None:
+                return DirectDispatchError(f"{prog.key} on {prog.where}: {st.abort}")
+            left = deadline - _time.monotonic()
+            if left <= 0:
+                return DirectDispatchError(
+                    f"{prog.key} on {prog.where}: {st.pending} value(s) still not sent "
+                    f"after {prog.timeout:g} s; is a consumer's worker stuck?")
+            st.cond.wait(min(left, 1.0))
+        if st.send_errors:
+            return _send_failure(prog, st)
+    return None
 
 
 def _send_error(prog: Program, a: Action, error: BaseException) -> None:

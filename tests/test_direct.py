@@ -2,6 +2,7 @@
 to worker, and failures that reach the caller instead of hanging."""
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Any
@@ -284,6 +285,42 @@ def test_channel_delivers_in_order_and_refuses_a_wrong_key() -> None:
         channel.send((host, port + 0, b"not-the-key-0000"), {"i": 9})
     time.sleep(0.2)
     assert len(got) == 3
+
+
+def test_posted_messages_arrive_in_order_with_writable_arrays() -> None:
+    got: list[Any] = []
+    arrived = threading.Event()
+    done: list[Any] = []
+
+    def handler(msg: dict[str, Any]) -> None:
+        got.append(msg)
+        if len(got) == 3:
+            arrived.set()
+
+    ep = channel.start("127.0.0.1", handler)
+    big = np.arange(2**18, dtype=np.float32)          # 1 MB: travels out of band
+    for i in range(3):
+        channel.post(ep, lambda i=i: {"i": i, "value": big * i}, done.append)
+    assert arrived.wait(10)
+    assert [m["i"] for m in got] == [0, 1, 2] and done == [None, None, None]
+    np.testing.assert_array_equal(got[2]["value"], big * 2)
+    got[2]["value"][0] = 5.0                          # consumers may write in place
+    with socket_closed_port() as port:
+        failed = threading.Event()
+        errors: list[Any] = []
+        channel.post(("127.0.0.1", port, b"k" * 16), {"i": 9},
+                     lambda e: (errors.append(e), failed.set()))
+        assert failed.wait(10) and isinstance(errors[0], OSError)
+
+
+@contextlib.contextmanager
+def socket_closed_port() -> Any:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    yield port
 
 
 # --- found while writing these tests ------------------------------------------------------
