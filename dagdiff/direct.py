@@ -466,9 +466,10 @@ def run_program(prog: Program, /, *static_values: Any) -> dict[str, Any]:
 
     Each action waits for its inputs (same-worker values are at hand; other workers'
     values arrive by message), runs, and hands its value on: kept here until its last
-    local use, sent to each other worker that reads it. The first failure stops the
+    local use, queued for each other worker that reads it. The first failure stops the
     program; the consumers of its remaining actions on other workers get the error at
-    once, and the task fails with it."""
+    once, and the task fails with it. A program returns only when every program of its
+    step succeeded (the closing exchange, `_close`)."""
     from distributed.metrics import time
 
     here = (prog.step, prog.where)
