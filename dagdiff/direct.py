@@ -501,12 +501,7 @@ def run_program(prog: Program, /, *static_values: Any) -> dict[str, Any]:
                     values = {k: (_take_local(local, k) if src == prog.where
                                   else _take_remote(st, prog, a, k, src))
                               for k, src in a.inputs}
-                    if st.abort is not None:
-                        raise DirectDispatchError(f"{a.key} on {prog.where}: {st.abort}")
-                    if st.failed is not None:
-                        raise UpstreamError(st.failed)
-                    if st.send_errors:
-                        raise _send_failure(prog, st)
+                    _check(st, prog, a)
                     values.update((d, statics[d]) for d in a.task.dependencies
                                   if d not in values)
                     t0 = time()
@@ -544,22 +539,12 @@ def _close(st: _Step, prog: Program, failure: BaseException | None) -> BaseExcep
     if not prog.members:
         return failure
     mark = f"{_END}{prog.where}"
-    msg = None if failure is None else (
-        str(failure) if isinstance(failure, (UpstreamError, DirectDispatchError)) else
-        f"the step failed on {prog.where}: {type(failure).__name__}: {failure}")
-    from .channel import send
-
-    for where, address, ep in prog.members:
-        try:
-            if ep is None:
-                raise DirectDispatchError(f"no dagdiff channel on {address}")
-            send(ep, {"step": prog.step, "where": where, "key": mark, "uses": 1,
-                      "error": msg, "value": None})
-        except Exception as e:
-            if failure is None:
-                failure = DirectDispatchError(
-                    f"{prog.key} could not tell {where} at {address} that it finished "
-                    f"({type(e).__name__}: {e}): the worker was lost or restarted mid-step")
+    msg = None if failure is None else _describe(failure, f"the step failed on {prog.where}")
+    failed = _tell(prog, mark, [(w, address, ep, 1) for w, address, ep in prog.members], msg)
+    if failed and failure is None:
+        failure = DirectDispatchError(
+            f"{prog.key} could not tell {'; '.join(failed)} that it finished: the worker "
+            "was lost or restarted mid-step")
     if failure is not None:
         return failure
     end = Action(f"{prog.key} (closing exchange)", Task(mark, _done, None), (), 0, (), False)
@@ -572,6 +557,17 @@ def _close(st: _Step, prog: Program, failure: BaseException | None) -> BaseExcep
 
 
 _END = "__end__/"
+
+
+def _check(st: _Step, prog: Program, a: Action) -> None:
+    """Raise if the step was cancelled, failed elsewhere (no need to wait for the rest
+    of it), or could not send one of this program's values."""
+    if st.abort is not None:
+        raise DirectDispatchError(f"{a.key} on {prog.where}: {st.abort}")
+    if st.failed is not None:
+        raise UpstreamError(st.failed)
+    if st.send_errors:
+        raise _send_failure(prog, st)
 
 
 def _take_local(local: dict[str, list[Any]], key: str) -> Any:
@@ -594,12 +590,7 @@ def _take_remote(st: _Step, prog: Program, a: Action, key: str, src: str) -> Any
     next_probe = start + PROBE_AFTER
     with st.cond:
         while key not in st.values and key not in st.errors:
-            if st.abort is not None:
-                raise DirectDispatchError(f"{a.key} on {prog.where}: {st.abort}")
-            if st.failed is not None:        # no need to wait for the rest of the step
-                raise UpstreamError(st.failed)
-            if st.send_errors:
-                raise _send_failure(prog, st)
+            _check(st, prog, a)
             now = _time.monotonic()
             left = deadline - now
             if left <= 0:
@@ -658,33 +649,30 @@ def _secede() -> None:
         pass
 
 
-def _send(prog: Program, a: Action, value: Any, error: str | None) -> None:
-    """Send the value (only the leaves each worker reads) or the error to the consumers
-    on other workers; raises `DirectDispatchError` naming the first consumer worker
-    that could not be reached."""
-    if not a.remote:
-        return
-    failed = []
-    wires: dict[frozenset[int] | None, Any] = {}
-    for r in a.remote:
-        if error is None and r.leaves not in wires:
-            wires[r.leaves] = _wire(value, r.leaves)
-        msg = {"step": prog.step, "where": r.where, "key": a.key, "uses": r.uses,
-               "error": error, "value": wires.get(r.leaves)}
-        try:
-            if r.endpoint is None:
-                raise DirectDispatchError(f"no dagdiff channel on {r.address}")
-            from .channel import send
+def _tell(prog: Program, key: str, targets: Any, error: str | None) -> list[str]:
+    """Send a message without a value (an error, or a program's end) about `key` to
+    each (where, address, endpoint, uses) in `targets` from this thread; returns the
+    targets that could not be reached."""
+    from .channel import send
 
-            send(r.endpoint, msg)
+    failed = []
+    for where, address, ep, uses in targets:
+        try:
+            if ep is None:
+                raise DirectDispatchError(f"no dagdiff channel on {address}")
+            send(ep, {"step": prog.step, "where": where, "key": key, "uses": uses,
+                      "error": error, "value": None})
         except Exception as e:
-            failed.append(f"{r.where} at {r.address} ({type(e).__name__}: {e})")
-    if failed:
-        raise DirectDispatchError(
-            f"{a.key} on {prog.where} could not send its value to "
-            f"{'; '.join(failed)}: the worker was lost or restarted mid-step, or does not "
-            "run dagdiff (start workers with --preload dagdiff). Run the step again, or "
-            "use dispatch='scheduler'.")
+            failed.append(f"{where} at {address} ({type(e).__name__}: {e})")
+    return failed
+
+
+def _describe(error: BaseException, what: str) -> str:
+    """An error as other programs read it: upstream and dispatch errors as they are
+    (they already name the first failure), others prefixed with where they happened."""
+    if isinstance(error, (UpstreamError, DirectDispatchError)):
+        return str(error)
+    return f"{what}: {type(error).__name__}: {error}"
 
 
 def _post(st: _Step, prog: Program, a: Action, value: Any) -> None:
@@ -749,12 +737,11 @@ def _flush(st: _Step, prog: Program) -> BaseException | None:
 def _send_error(prog: Program, a: Action, error: BaseException) -> None:
     """Tell the remote consumers of an action that will not run why (best effort: a
     consumer that cannot be reached times out instead)."""
-    msg = str(error) if isinstance(error, (UpstreamError, DirectDispatchError)) else \
-        f"{a.key} failed on {prog.where}: {type(error).__name__}: {error}"
-    try:
-        _send(prog, a, None, msg)
-    except DirectDispatchError as e:
-        log.warning("dagdiff: %s", e)
+    failed = _tell(prog, a.key, [(r.where, r.address, r.endpoint, r.uses) for r in a.remote],
+                   _describe(error, f"{a.key} failed on {prog.where}"))
+    if failed:
+        log.warning("dagdiff: %s on %s could not tell %s that it failed", a.key, prog.where,
+                    "; ".join(failed))
 
 
 def _wire(value: Any, leaves: frozenset[int] | None = None) -> Any:

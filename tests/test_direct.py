@@ -239,15 +239,12 @@ def test_a_missing_input_times_out_with_the_facts() -> None:
 
 
 def test_a_dead_producer_is_noticed_while_waiting(monkeypatch: Any) -> None:
-    import socket
-
     from dask._task_spec import Task, TaskRef
 
     from dagdiff import direct
 
-    with socket.socket() as sock:          # a port nobody listens on any more
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    with socket_closed_port() as port:     # a port nobody listens on any more
+        pass
     monkeypatch.setattr(direct, "PROBE_AFTER", 0.2)
     src = "vjp_dense-s1-m0-n1-abc"
     key = "vjp_dense-s0-m0-n0-abc"
@@ -315,6 +312,7 @@ def test_posted_messages_arrive_in_order_with_writable_arrays() -> None:
 
 @contextlib.contextmanager
 def socket_closed_port() -> Any:
+    """A local port nobody listens on."""
     import socket
 
     with socket.socket() as sock:
@@ -418,12 +416,17 @@ def test_in_process_workers_fall_back_to_scheduler_dispatch() -> None:
             got_l, got_g = client.compute([loss, grads], sync=True)
         funcs = {getattr(v, "func", None) for v in dict(loss.__dask_graph__()).values()}
         assert run_program not in funcs
-        want_l, want_g = jax.value_and_grad(loss_fn)(params, x, t)
-        np.testing.assert_allclose(got_l, want_l, rtol=1e-5)
-        close(got_g, want_g)
+        assert_matches_jax(loss_fn, (params, x, t), got_l, got_g)
     finally:
         client.close()
         cluster.close()
+
+
+def assert_matches_jax(fn: Any, args: tuple[Any, ...], got_l: Any, got_g: Any) -> None:
+    """Loss and grads equal `jax.value_and_grad(fn)(*args)`."""
+    want_l, want_g = jax.value_and_grad(fn)(*args)
+    np.testing.assert_allclose(got_l, want_l, rtol=1e-5)
+    close(got_g, want_g)
 
 
 def _exit_process() -> None:
@@ -472,9 +475,7 @@ def test_a_worker_lost_mid_step_fails_the_step_in_seconds() -> None:
             loss, grads = dd.value_and_grad(fast, microbatches=4, schedule="1f1b")(
                 p2, jnp.ones((4, 4)))
             got_l, got_g = client.compute([loss, grads], sync=True)
-        want_l, want_g = jax.value_and_grad(fast)(p2, jnp.ones((4, 4)))
-        np.testing.assert_allclose(got_l, want_l, rtol=1e-5)
-        close(got_g, want_g)
+        assert_matches_jax(fast, (p2, jnp.ones((4, 4))), got_l, got_g)
     finally:
         client.close()
         cluster.close()
