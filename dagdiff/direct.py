@@ -34,12 +34,12 @@ import logging
 import threading
 import uuid
 import weakref
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 from dask._task_spec import DataNode, Task, TaskRef
 
 from .errors import DagdiffError, PlacementError
-from .keys import make_key
+from .keys import make_key, sanitize
 from .tasks import leaves_read
 
 __all__ = [
@@ -136,8 +136,7 @@ class DirectPlan:
     dsk: dict[str, Any]
     order: dict[str, list[str]]        # worker -> action keys in run order
     priority: dict[str, int]
-    placed: dict[str, str]             # new task -> its worker
-    programs: dict[str, str]           # program key -> its worker
+    placed: dict[str, str]             # new task -> its worker (programs, outputs, done)
 
 
 def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
@@ -145,7 +144,7 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
             token: str, slots: bool = True,
             timeout: float | None = None,
             endpoints: Mapping[str, Any] | None = None,
-            outputs: set[str] = frozenset()) -> DirectPlan:  # type: ignore[assignment]
+            outputs: Collection[str] = ()) -> DirectPlan:
     """Turn every task that has a worker (and is not in `keep`, the step's outputs that
     stay ordinary tasks, and does not wait on an ordinary task) into an action of its
     worker's program.
@@ -172,13 +171,17 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
                for d in deps_of[key]):
             direct.add(key)
     if not direct:
-        return DirectPlan(dsk, {}, {}, {}, {})
+        return DirectPlan(dsk, {}, {}, {})
     inbox = {k: [d for d in deps_of[k] if d in direct] for k in direct}
     missing = sorted({w for k in direct if (w := worker_of[k]) not in addresses})
     if missing and slots:
         raise PlacementError(f"direct dispatch: no worker address for {', '.join(missing)}; "
                              "is every slot's worker running?")
     addr = (lambda w: addresses[w]) if slots else (lambda w: w)
+
+    def ep(w: str) -> Any:                   # a worker's channel endpoint (None: none)
+        return (endpoints or {}).get(addr(w))
+
     readers: dict[str, list[str]] = collections.defaultdict(list)
     for k, ds in inbox.items():
         for d in ds:
@@ -192,7 +195,6 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
     base = -10_000_000 * next(_COUNTER)      # later steps rank below earlier ones on every worker
     out_priority: dict[str, int] = {}
     placed: dict[str, str] = {}
-    programs: dict[str, str] = {}
     done_refs: list[TaskRef] = []
     for i, w in enumerate(sorted(order)):
         actions = []
@@ -201,7 +203,7 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
             t = dsk.pop(k)
             by_worker = collections.Counter(worker_of[c] for c in readers.get(k, ()))
             local = by_worker.pop(w, 0)
-            remote = tuple(Remote(ww, addr(ww), (endpoints or {}).get(addr(ww)), n,
+            remote = tuple(Remote(ww, addr(ww), ep(ww), n,
                                   _leaves(k, [c for c in readers[k] if worker_of[c] == ww],
                                           reads))
                            for ww, n in sorted(by_worker.items()))
@@ -210,15 +212,14 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
             actions.append(Action(k, Task(k, t.func, *t.args, **kwargs),
                                   tuple((d, worker_of[d]) for d in inbox[k]), local, remote,
                                   k in exports))
-        pk = make_key("program", sanitize_where(w), i, token)
+        pk = make_key("program", sanitize(w), i, token)
         srcs = sorted({src for a in actions for _, src in a.inputs if src != w})
-        peers = tuple((src, addr(src), (endpoints or {}).get(addr(src))) for src in srcs)
-        members = tuple((ww, addr(ww), (endpoints or {}).get(addr(ww)))
-                        for ww in sorted(order) if ww != w)
+        peers = tuple((src, addr(src), ep(src)) for src in srcs)
+        members = tuple((ww, addr(ww), ep(ww)) for ww in sorted(order) if ww != w)
         prog = Program(pk, step, w, tuple(actions), tuple(sorted(statics)), timeout, peers,
-                       (endpoints or {}).get(addr(w)), members)
+                       ep(w), members)
         dsk[pk] = Task(pk, run_program, prog, *[TaskRef(s) for s in prog.statics])
-        programs[pk] = placed[pk] = w
+        placed[pk] = w
         out_priority[pk] = base
         for a in actions:
             if a.export:           # the value an output reads, as an ordinary result
@@ -232,7 +233,7 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
     for k, t in list(dsk.items()):
         if k in keep and isinstance(t, Task):
             dsk[k] = Task(k, _after, len(done_refs), *done_refs, t.func, *t.args, **t.kwargs)
-    return DirectPlan(dsk, order, out_priority, placed, programs)
+    return DirectPlan(dsk, order, out_priority, placed)
 
 
 def _leaves(key: str, consumers: list[str],
@@ -245,13 +246,6 @@ def _leaves(key: str, consumers: list[str],
             return None
         out |= got
     return frozenset(out)
-
-
-def sanitize_where(where: str) -> str:
-    """A worker's slot name (or address) as part of a key."""
-    from .keys import sanitize
-
-    return sanitize(where)
 
 
 def _ordering_only(name: str, value: Any, direct: set[str]) -> bool:
