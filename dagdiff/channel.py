@@ -6,31 +6,51 @@ adds milliseconds per message (measured 3-10 ms from send to receipt while a ste
 tasks start). Here a program queues its value for the peer's sender thread (`post`) and
 goes on with its next action while the value is converted, pickled (protocol 5, arrays
 written out of band, straight from their memory) and written; a receiver thread on the
-consumer's process delivers it to the waiting program. Each listener has its own random
-key (HMAC challenge on connect, from `multiprocessing.connection`); clients learn
-address and key through Dask (`Client.run`), so only holders of the cluster's Dask
-connection can connect.
+consumer's process delivers it to the waiting program.
+
+Each listener has its own random key; a client proves it holds the key (HMAC-SHA256 of
+a fresh challenge) before anything it sends is unpickled. Clients learn address and key
+through Dask (`Client.run`), so only holders of the cluster's Dask connection can
+connect. The accept loop only accepts: the challenge runs on the connection's own
+thread, so a peer that connects and hangs up (a liveness probe, `reachable`) or never
+answers cannot stop the listener, and every connect and challenge has a deadline.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import os
 import pickle
 import queue
+import socket
 import threading
-from multiprocessing.connection import Client as _connect, Listener
+from multiprocessing.connection import Connection
 from typing import Any, Callable
 
-__all__ = ["Endpoint", "start", "endpoint", "send", "post", "reachable", "close_all"]
+from .errors import DagdiffError
+
+__all__ = ["Endpoint", "ChannelError", "start", "endpoint", "send", "post", "reachable",
+           "close_all"]
 
 log = logging.getLogger(__name__)
 
 #: (host, port, authkey) of a listener
 Endpoint = tuple[str, int, bytes]
 
+#: seconds a connect, the key challenge or a wait for a peer busy sending may take
+CONNECT_TIMEOUT = 10.0
+_HELLO = b"dagdiff-channel-1"
+_NONCE = 32
+_OK = b"ok"
+
 _LOCK = threading.Lock()
-_SERVER: dict[str, Any] = {}               # "listener", "endpoint", "handler"
+_SERVER: dict[str, Any] = {}               # "socket", "endpoint", "handler"
 _PEERS: dict[tuple[str, int], "_Peer"] = {}
+
+
+class ChannelError(DagdiffError, ConnectionError):
+    """A peer's listener could not be reached, refused our key, or is too busy."""
 
 
 def start(host: str, handler: Callable[[dict[str, Any]], None]) -> Endpoint:
@@ -40,11 +60,11 @@ def start(host: str, handler: Callable[[dict[str, Any]], None]) -> Endpoint:
         _SERVER["handler"] = handler
         if "endpoint" in _SERVER:
             return _SERVER["endpoint"]
-        key = os.urandom(16)
-        listener = Listener((host, 0), authkey=key, backlog=64)
-        ep: Endpoint = (host, listener.address[1], key)
-        _SERVER.update(listener=listener, endpoint=ep)
-    threading.Thread(target=_accept, args=(listener,), name="dagdiff-channel-accept",
+        key = os.urandom(32)
+        sock = socket.create_server((host, 0), backlog=128)
+        ep: Endpoint = (host, sock.getsockname()[1], key)
+        _SERVER.update(socket=sock, endpoint=ep)
+    threading.Thread(target=_accept, args=(sock, key), name="dagdiff-channel-accept",
                      daemon=True).start()
     return ep
 
@@ -54,51 +74,118 @@ def endpoint() -> Endpoint | None:
     return _SERVER.get("endpoint")
 
 
-def _accept(listener: Listener) -> None:
+def _accept(sock: socket.socket, key: bytes) -> None:
+    """Accept connections until the listener is closed; each gets its own thread."""
+    import time
+
     while True:
         try:
-            conn = listener.accept()
-        except OSError:                      # listener closed
-            return
-        except (EOFError, ConnectionError):  # a liveness probe (`reachable`)
+            conn, _ = sock.accept()
+        except OSError as e:
+            if _SERVER.get("socket") is not sock:        # closed (`close_all`)
+                return
+            log.warning("dagdiff channel: accept failed (%s); still listening", e)
+            time.sleep(0.05)                             # e.g. out of file descriptors
             continue
-        except Exception as e:               # a peer failed the key challenge
-            log.warning("dagdiff channel: refused a connection (%s)", e)
-            continue
-        threading.Thread(target=_receive, args=(conn,), name="dagdiff-channel-recv",
+        threading.Thread(target=_receive, args=(conn, key), name="dagdiff-channel-recv",
                          daemon=True).start()
 
 
-def _receive(conn: Any) -> None:
+def _receive(sock: socket.socket, key: bytes) -> None:
+    try:
+        conn = _challenge(sock, key)
+    except Exception as e:                   # a probe hung up, or a wrong key
+        sock.close()
+        if isinstance(e, ChannelError):
+            log.warning("dagdiff channel: refused a connection (%s)", e)
+        return
     with conn:
         while True:
             try:
                 msg = _read(conn)
             except (EOFError, OSError):
                 return
-            except Exception as e:           # a value that does not unpickle here
-                log.error("dagdiff channel: dropped a message (%s: %s)", type(e).__name__, e)
-                continue
             try:
                 _SERVER["handler"](msg)
             except Exception:
                 log.exception("dagdiff channel: handler failed")
 
 
-def _write(conn: Any, msg: Any) -> None:
-    """One message: its pickle (protocol 5) with large buffers (NumPy arrays) out of
-    band, each written straight from its memory, no copy into the pickle."""
+def _challenge(sock: socket.socket, key: bytes) -> Connection:
+    """Server side of the handshake: send a fresh nonce, expect its HMAC under our key."""
+    sock.settimeout(CONNECT_TIMEOUT)
+    peer = sock.getpeername()
+    nonce = os.urandom(_NONCE)
+    sock.sendall(_HELLO + nonce)
+    answer = _recv_exactly(sock, 32)
+    if not hmac.compare_digest(answer, hmac.new(key, nonce, hashlib.sha256).digest()):
+        raise ChannelError(f"a peer at {peer} does not hold this listener's key")
+    sock.sendall(_OK)
+    sock.settimeout(None)
+    return Connection(sock.detach())
+
+
+def _answer(sock: socket.socket, key: bytes, where: str) -> Connection:
+    """Client side of the handshake (the socket has a timeout)."""
+    hello = _recv_exactly(sock, len(_HELLO) + _NONCE)
+    if not hello.startswith(_HELLO):
+        raise ChannelError(f"{where} is not a dagdiff channel")
+    sock.sendall(hmac.new(key, hello[len(_HELLO):], hashlib.sha256).digest())
+    try:
+        ok = _recv_exactly(sock, len(_OK))
+    except EOFError:
+        ok = b""
+    if ok != _OK:
+        raise ChannelError(f"{where} refused our key (a restarted worker has a new one)")
+    sock.settimeout(None)
+    return Connection(sock.detach())
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise EOFError("the peer closed the connection")
+        buf += chunk
+    return buf
+
+
+def _connect(ep: Endpoint) -> Connection:
+    where = f"{ep[0]}:{ep[1]}"
+    try:
+        sock = socket.create_connection((ep[0], ep[1]), timeout=CONNECT_TIMEOUT)
+    except socket.timeout as e:
+        raise ChannelError(f"connecting to {where} timed out after {CONNECT_TIMEOUT:g} s") from e
+    try:
+        return _answer(sock, ep[2], where)
+    except socket.timeout as e:
+        sock.close()
+        raise ChannelError(f"{where} accepted but did not answer the key challenge within "
+                           f"{CONNECT_TIMEOUT:g} s") from e
+    except BaseException:
+        sock.close()
+        raise
+
+
+def _write(conn: Connection, msg: dict[str, Any]) -> None:
+    """One message: its envelope (everything but ``"value"``), then the value's pickle
+    (protocol 5) with large buffers (NumPy arrays) out of band, each written straight
+    from its memory, no copy into the pickle."""
+    msg = dict(msg)
+    value = msg.pop("value", None)
     buffers: list[pickle.PickleBuffer] = []
-    head = pickle.dumps(msg, protocol=5, buffer_callback=buffers.append)
+    head = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
     views = [b.raw() for b in buffers]
-    conn.send_bytes(pickle.dumps((head, [v.nbytes for v in views]), protocol=5))
+    conn.send_bytes(pickle.dumps((msg, head, [v.nbytes for v in views]), protocol=5))
     for v in views:
         conn.send_bytes(v)
 
 
-def _read(conn: Any) -> Any:
-    """Read what `_write` wrote; each buffer lands in its own writable bytearray."""
-    head, sizes = pickle.loads(conn.recv_bytes())
+def _read(conn: Connection) -> dict[str, Any]:
+    """Read what `_write` wrote; each buffer lands in its own writable bytearray. A value
+    that does not unpickle here arrives as an error naming why (the stream goes on)."""
+    msg, head, sizes = pickle.loads(conn.recv_bytes())
     bufs = []
     for n in sizes:
         buf = bytearray(n)
@@ -107,39 +194,51 @@ def _read(conn: Any) -> Any:
         else:
             conn.recv_bytes()
         bufs.append(buf)
-    return pickle.loads(head, buffers=bufs)
+    try:
+        msg["value"] = pickle.loads(head, buffers=bufs)
+    except Exception as e:
+        msg["value"] = None
+        if msg.get("error") is None:
+            msg["error"] = (f"the value of {msg.get('key')} could not be unpickled on the "
+                            f"receiving worker ({type(e).__name__}: {e}); is the same "
+                            "software installed on every worker?")
+    return msg
 
 
 class _Peer:
     """A connection to one listener. `send` writes from the calling thread; `post`
     queues a message for this peer's sender thread (in order), so the caller goes on
-    while the value is pickled and written."""
+    while the value is pickled and written. Neither blocks a caller for long: `post`
+    only queues, and `send` gives up when the connection stays busy (another thread
+    writing, connecting or stuck) for `CONNECT_TIMEOUT`."""
 
     def __init__(self, ep: Endpoint) -> None:
         self.ep = ep
-        self.lock = threading.Lock()
-        self.conn: Any = None
+        self.lock = threading.Lock()         # the connection: one writer at a time
+        self.conn: Connection | None = None
         self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.thread: threading.Thread | None = None
+        threading.Thread(target=self._drain, daemon=True,
+                         name=f"dagdiff-channel-send-{ep[1]}").start()
 
     def send(self, msg: Any) -> None:
         if callable(msg):
             msg = msg()
-        with self.lock:
-            try:
-                if self.conn is None:
-                    self.conn = _connect((self.ep[0], self.ep[1]), authkey=self.ep[2])
-                _write(self.conn, msg)
-            except Exception:
-                self.conn = None
-                raise
+        if not self.lock.acquire(timeout=CONNECT_TIMEOUT):
+            raise ChannelError(f"{self.ep[0]}:{self.ep[1]}: the connection stayed busy for "
+                               f"{CONNECT_TIMEOUT:g} s (is the peer's process stuck?)")
+        try:
+            if self.conn is None:
+                self.conn = _connect(self.ep)
+            _write(self.conn, msg)
+        except BaseException:
+            if self.conn is not None:
+                self.conn.close()
+            self.conn = None
+            raise
+        finally:
+            self.lock.release()
 
     def post(self, msg: Any, done: Callable[[BaseException | None], None]) -> None:
-        with self.lock:
-            if self.thread is None:
-                self.thread = threading.Thread(target=self._drain, daemon=True,
-                                               name=f"dagdiff-channel-send-{self.ep[1]}")
-                self.thread.start()
         self.queue.put((msg, done))
 
     def _drain(self) -> None:
@@ -169,7 +268,8 @@ def _peer(ep: Endpoint) -> _Peer:
 
 def send(ep: Endpoint, msg: Any) -> None:
     """Send `msg` to the listener at `ep` from the calling thread (pickling it here;
-    raises if the peer cannot be reached)."""
+    raises if the peer cannot be reached, refuses the key, or its connection stays busy
+    for `CONNECT_TIMEOUT`)."""
     _peer(ep).send(msg)
 
 
@@ -181,25 +281,24 @@ def post(ep: Endpoint, msg: Any, done: Callable[[BaseException | None], None]) -
 
 
 def reachable(ep: Endpoint, timeout: float = 5.0) -> bool | None:
-    """Whether a listener still runs at `ep`: True when a TCP connect succeeds (closed at
-    once, without a message), False only when it is refused (nothing listens on that
-    port: the process ended), None when it cannot tell (timed out, e.g. a busy or
+    """Whether the listener at `ep` still serves: True when it answers a connect with
+    its challenge (the connection is then dropped, nothing is sent); False when the
+    connect is refused (nothing listens on that port: the process ended) or something
+    else answers (the port was reused); None when it cannot tell (timed out: a busy or
     unreachable machine)."""
-    import socket
-
     try:
-        with socket.create_connection((ep[0], ep[1]), timeout=timeout):
-            return True
+        with socket.create_connection((ep[0], ep[1]), timeout=timeout) as sock:
+            return _recv_exactly(sock, len(_HELLO)) == _HELLO
     except ConnectionRefusedError:
         return False
-    except OSError:
+    except (OSError, EOFError):
         return None
 
 
 def close_all() -> None:
     """Close the listener (tests; worker processes simply exit)."""
     with _LOCK:
-        listener = _SERVER.pop("listener", None)
+        sock = _SERVER.pop("socket", None)
         _SERVER.pop("endpoint", None)
-    if listener is not None:
-        listener.close()
+    if sock is not None:
+        sock.close()

@@ -8,6 +8,10 @@ import dask
 import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+# a direct-dispatch step that hangs fails with its facts (which action waits for what)
+# well before pytest-timeout's 300 s; kernels started by the notebook tests inherit it
+os.environ.setdefault("DASK_DAGDIFF__DIRECT__TIMEOUT", "120s")
+dask.config.refresh()
 
 WORKER_ENV = {
     "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1 "

@@ -95,6 +95,45 @@ def test_direct_dispatch_equals_full_batch_jax(client4: Any, schedule: str, n_st
     assert dd.remat_count(client4) == 0
 
 
+def _probe_every(seconds: float) -> tuple[float, float]:
+    from dagdiff import direct
+
+    old = (direct.PROBE_AFTER, direct.PROBE_EVERY)
+    direct.PROBE_AFTER = direct.PROBE_EVERY = seconds
+    return old
+
+
+def _listening() -> bool:
+    import threading
+
+    return any(t.name == "dagdiff-channel-accept" for t in threading.enumerate())
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
+def test_steps_stay_right_while_every_wait_probes_its_producer(client4: Any) -> None:
+    """Regression (CI hang): a program waiting >2 s probes its producer's listener; a
+    probe hanging up mid-handshake killed that listener and the next step hung. Here
+    every wait probes every millisecond, for several steps, and listeners survive."""
+    loss_fn = make_loss(4)
+    params, x, t = data(4, batch=32)
+    want_l, want_g = jax.value_and_grad(loss_fn)(params, x, t)
+    old = client4.run(_probe_every, 0.001)
+    try:
+        with client4.as_current():
+            for schedule in ["1f1b", "zb-h1", "gpipe"]:
+                for _ in range(2):
+                    loss, grads = dd.value_and_grad(loss_fn, microbatches=8,
+                                                    schedule=schedule)(params, x, t)
+                    got_l, got_g = client4.compute([loss, grads], sync=True)
+                    np.testing.assert_allclose(got_l, want_l, rtol=1e-5)
+                    close(got_g, want_g)
+    finally:
+        for w, (after, every) in old.items():
+            client4.run(_probe_every, after, workers=[w])
+    assert all(client4.run(_listening).values())
+
+
 @pytest.mark.distributed
 def test_a_step_is_one_program_per_worker_in_schedule_order(client2: Any) -> None:
     loss_fn = make_loss(2)
@@ -308,6 +347,90 @@ def test_posted_messages_arrive_in_order_with_writable_arrays() -> None:
         channel.post(("127.0.0.1", port, b"k" * 16), {"i": 9},
                      lambda e: (errors.append(e), failed.set()))
         assert failed.wait(10) and isinstance(errors[0], OSError)
+
+
+def test_the_listener_survives_probes_and_peers_that_hang_up_or_never_answer() -> None:
+    """Regression (CI hang): a liveness probe that hung up during the key challenge
+    (ConnectionResetError, an OSError) ended the accept loop; every later connect then
+    waited forever for a challenge, and the program waiting to post behind it too."""
+    import socket
+    import struct
+
+    got: list[Any] = []
+    arrived = threading.Event()
+
+    def handler(msg: dict[str, Any]) -> None:
+        got.append(msg)
+        arrived.set()
+
+    ep = channel.start("127.0.0.1", handler)
+    silent = []
+    for i in range(20):
+        assert channel.reachable(ep, timeout=5) is True
+        s = socket.create_connection(ep[:2])
+        if i % 2:                                       # hang up with a reset (RST)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            s.close()
+        else:                                           # connect and never answer
+            silent.append(s)
+    t0 = time.perf_counter()
+    channel.send(ep, {"i": 1, "value": np.ones(3)})
+    assert arrived.wait(10) and got[-1]["i"] == 1
+    assert time.perf_counter() - t0 < 5
+    for s in silent:
+        s.close()
+
+
+def test_a_peer_that_never_answers_fails_sends_in_bounded_time(monkeypatch: Any) -> None:
+    """A port that accepts TCP but never answers the challenge (a stuck process): `post`
+    returns at once, and the send fails with the facts after CONNECT_TIMEOUT; `send`
+    (from a program's own thread) too, even while the sender thread holds the peer."""
+    import socket
+
+    monkeypatch.setattr(channel, "CONNECT_TIMEOUT", 0.5)
+    with socket.create_server(("127.0.0.1", 0)) as mute:
+        ep = ("127.0.0.1", mute.getsockname()[1], b"k" * 32)
+        errors: list[Any] = []
+        failed = threading.Event()
+        t0 = time.perf_counter()
+        channel.post(ep, {"i": 1}, lambda e: (errors.append(e), failed.set()))
+        assert time.perf_counter() - t0 < 0.1
+        with pytest.raises(channel.ChannelError, match="did not answer|stayed busy") as e:
+            channel.send(ep, {"i": 2})
+        assert failed.wait(5) and isinstance(errors[0], channel.ChannelError)
+        # whichever connected first waited for the challenge, the other for the peer
+        assert "did not answer the key challenge" in str(errors[0]) + str(e.value)
+        assert time.perf_counter() - t0 < 3
+
+
+class _Unpicklable:
+    """Pickles fine, fails to unpickle (e.g. a class missing on the receiving worker)."""
+
+    def __reduce__(self) -> Any:
+        return (_refuse, ())
+
+
+def _refuse() -> Any:
+    raise ImportError("no module named 'only_on_the_sender'")
+
+
+def test_a_value_that_does_not_unpickle_arrives_as_an_error() -> None:
+    got: list[Any] = []
+    arrived = threading.Event()
+
+    def handler(msg: dict[str, Any]) -> None:
+        got.append(msg)
+        if len(got) == 2:
+            arrived.set()
+
+    ep = channel.start("127.0.0.1", handler)
+    channel.send(ep, {"key": "fwd-a", "error": None, "value": _Unpicklable()})
+    channel.send(ep, {"key": "fwd-b", "error": None, "value": np.arange(3)})
+    assert arrived.wait(10)
+    assert got[0]["value"] is None and "fwd-a could not be unpickled" in got[0]["error"]
+    assert "only_on_the_sender" in got[0]["error"]
+    assert got[1]["error"] is None                          # the stream goes on
+    np.testing.assert_array_equal(got[1]["value"], [0, 1, 2])
 
 
 @contextlib.contextmanager
