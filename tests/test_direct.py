@@ -394,13 +394,13 @@ def test_a_peer_that_never_answers_fails_sends_in_bounded_time(monkeypatch: Any)
         failed = threading.Event()
         t0 = time.perf_counter()
         channel.post(ep, {"i": 1}, lambda e: (errors.append(e), failed.set()))
-        assert time.perf_counter() - t0 < 0.1
+        assert time.perf_counter() - t0 < 1               # queued, not sent
         with pytest.raises(channel.ChannelError, match="did not answer|stayed busy") as e:
             channel.send(ep, {"i": 2})
         assert failed.wait(5) and isinstance(errors[0], channel.ChannelError)
         # whichever connected first waited for the challenge, the other for the peer
         assert "did not answer the key challenge" in str(errors[0]) + str(e.value)
-        assert time.perf_counter() - t0 < 3
+        assert time.perf_counter() - t0 < 8               # not a hang
 
 
 class _Unpicklable:
