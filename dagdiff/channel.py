@@ -40,6 +40,9 @@ Endpoint = tuple[str, int, bytes]
 
 #: seconds a connect, the key challenge or a wait for a peer busy sending may take
 CONNECT_TIMEOUT = 10.0
+#: seconds a write may make no progress (a peer whose process stopped reading) before
+#: the send fails
+WRITE_TIMEOUT = 60.0
 _HELLO = b"dagdiff-channel-1"
 _NONCE = 32
 _OK = b"ok"
@@ -75,20 +78,28 @@ def endpoint() -> Endpoint | None:
 
 
 def _accept(sock: socket.socket, key: bytes) -> None:
-    """Accept connections until the listener is closed; each gets its own thread."""
+    """Accept connections until the listener is closed; each gets its own thread. Nothing
+    a peer does ends this loop (a dead accept loop leaves a port that takes connections
+    and never answers them)."""
     import time
 
+    warned = 0.0
     while True:
+        conn = None
         try:
             conn, _ = sock.accept()
-        except OSError as e:
+            threading.Thread(target=_receive, args=(conn, key), name="dagdiff-channel-recv",
+                             daemon=True).start()
+        except Exception as e:
             if _SERVER.get("socket") is not sock:        # closed (`close_all`)
                 return
-            log.warning("dagdiff channel: accept failed (%s); still listening", e)
+            if conn is not None:
+                conn.close()
+            if time.monotonic() - warned > 10:
+                warned = time.monotonic()
+                log.warning("dagdiff channel: could not accept a connection (%s: %s); "
+                            "still listening", type(e).__name__, e)
             time.sleep(0.05)                             # e.g. out of file descriptors
-            continue
-        threading.Thread(target=_receive, args=(conn, key), name="dagdiff-channel-recv",
-                         daemon=True).start()
 
 
 def _receive(sock: socket.socket, key: bytes) -> None:
@@ -105,10 +116,51 @@ def _receive(sock: socket.socket, key: bytes) -> None:
                 msg = _read(conn)
             except (EOFError, OSError):
                 return
-            try:
-                _SERVER["handler"](msg)
+            except _Unreadable as e:         # tell the consumer, then drop the connection
+                _handle(e.msg)
+                return
             except Exception:
-                log.exception("dagdiff channel: handler failed")
+                log.exception("dagdiff channel: dropped a connection it could not read")
+                return
+            _handle(msg)
+
+
+def _handle(msg: dict[str, Any]) -> None:
+    try:
+        _SERVER["handler"](msg)
+    except Exception:
+        log.exception("dagdiff channel: handler failed")
+
+
+class _Unreadable(Exception):
+    """A message whose envelope arrived but whose buffers could not be received."""
+
+    def __init__(self, msg: dict[str, Any]) -> None:
+        super().__init__(msg.get("error"))
+        self.msg = msg
+
+
+def _keepalive(sock: socket.socket) -> None:
+    """Let the OS notice a peer host that vanished without closing (best effort)."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    except OSError:
+        pass
+
+
+def _write_timeout(sock: socket.socket) -> None:
+    """Writes that make no progress for `WRITE_TIMEOUT` fail (the socket stays blocking,
+    as `Connection` needs; best effort where the OS has no SO_SNDTIMEO)."""
+    import struct
+    import sys
+
+    if sys.platform == "win32":
+        return
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                        struct.pack("ll", int(WRITE_TIMEOUT), 0))
+    except OSError:
+        pass
 
 
 def _challenge(sock: socket.socket, key: bytes) -> Connection:
@@ -122,6 +174,7 @@ def _challenge(sock: socket.socket, key: bytes) -> Connection:
         raise ChannelError(f"a peer at {peer} does not hold this listener's key")
     sock.sendall(_OK)
     sock.settimeout(None)
+    _keepalive(sock)
     return Connection(sock.detach())
 
 
@@ -138,6 +191,8 @@ def _answer(sock: socket.socket, key: bytes, where: str) -> Connection:
     if ok != _OK:
         raise ChannelError(f"{where} refused our key (a restarted worker has a new one)")
     sock.settimeout(None)
+    _keepalive(sock)
+    _write_timeout(sock)
     return Connection(sock.detach())
 
 
@@ -187,13 +242,20 @@ def _read(conn: Connection) -> dict[str, Any]:
     that does not unpickle here arrives as an error naming why (the stream goes on)."""
     msg, head, sizes = pickle.loads(conn.recv_bytes())
     bufs = []
-    for n in sizes:
-        buf = bytearray(n)
-        if n:
-            conn.recv_bytes_into(buf)
-        else:
-            conn.recv_bytes()
-        bufs.append(buf)
+    try:
+        for n in sizes:
+            buf = bytearray(n)
+            if n:
+                conn.recv_bytes_into(buf)
+            else:
+                conn.recv_bytes()
+            bufs.append(buf)
+    except MemoryError as e:
+        bufs.clear()
+        msg["value"] = None
+        msg["error"] = (f"the value of {msg.get('key')} ({sum(sizes) / 2**20:.1f} MiB) could "
+                        f"not be received: the receiving worker is out of memory ({e})")
+        raise _Unreadable(msg) from e
     try:
         msg["value"] = pickle.loads(head, buffers=bufs)
     except Exception as e:
@@ -210,12 +272,16 @@ class _Peer:
     queues a message for this peer's sender thread (in order), so the caller goes on
     while the value is pickled and written. Neither blocks a caller for long: `post`
     only queues, and `send` gives up when the connection stays busy (another thread
-    writing, connecting or stuck) for `CONNECT_TIMEOUT`."""
+    writing, connecting or stuck) for `CONNECT_TIMEOUT`. A write on a connection that
+    broke since its last use is retried once on a new one (a repeated message replaces
+    the first at the consumer); after a failed connect, sends fail at once for
+    `CONNECT_TIMEOUT` instead of each waiting for their own connect to fail."""
 
     def __init__(self, ep: Endpoint) -> None:
         self.ep = ep
         self.lock = threading.Lock()         # the connection: one writer at a time
         self.conn: Connection | None = None
+        self.down: tuple[float, str] | None = None   # (until, why) after a failed connect
         self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         threading.Thread(target=self._drain, daemon=True,
                          name=f"dagdiff-channel-send-{ep[1]}").start()
@@ -227,23 +293,55 @@ class _Peer:
             raise ChannelError(f"{self.ep[0]}:{self.ep[1]}: the connection stayed busy for "
                                f"{CONNECT_TIMEOUT:g} s (is the peer's process stuck?)")
         try:
+            reused = self.conn is not None
+            try:
+                self._write(msg)
+            except OSError:
+                if not reused:
+                    raise
+                self._write(msg)             # the peer may have dropped an idle connection
+        finally:
+            self.lock.release()
+
+    def _write(self, msg: Any) -> None:
+        import time
+
+        try:
             if self.conn is None:
-                self.conn = _connect(self.ep)
+                if self.down is not None and time.monotonic() < self.down[0]:
+                    raise ChannelError(self.down[1])
+                try:
+                    self.conn = _connect(self.ep)
+                except Exception as e:
+                    self.down = (time.monotonic() + CONNECT_TIMEOUT,
+                                 f"{self.ep[0]}:{self.ep[1]} could not be reached a moment "
+                                 f"ago ({type(e).__name__}: {e})")
+                    raise
+                self.down = None
             _write(self.conn, msg)
         except BaseException:
             if self.conn is not None:
                 self.conn.close()
             self.conn = None
             raise
-        finally:
-            self.lock.release()
 
     def post(self, msg: Any, done: Callable[[BaseException | None], None]) -> None:
         self.queue.put((msg, done))
 
+    def stop(self) -> None:
+        """End the sender thread (after what is queued) and close the connection."""
+        self.queue.put(None)
+
     def _drain(self) -> None:
         while True:
-            msg, done = self.queue.get()
+            item = self.queue.get()
+            if item is None:
+                with self.lock:
+                    if self.conn is not None:
+                        self.conn.close()
+                        self.conn = None
+                return
+            msg, done = item
             error: BaseException | None = None
             try:
                 self.send(msg)
@@ -262,6 +360,8 @@ def _peer(ep: Endpoint) -> _Peer:
         with _LOCK:
             peer = _PEERS.get(key)
             if peer is None or peer.ep != ep:
+                if peer is not None:         # a restarted worker reusing the port
+                    peer.stop()
                 peer = _PEERS[key] = _Peer(ep)
     return peer
 
@@ -301,4 +401,8 @@ def close_all() -> None:
         sock = _SERVER.pop("socket", None)
         _SERVER.pop("endpoint", None)
     if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)  # wakes the accept loop (close alone does not)
+        except OSError:
+            pass
         sock.close()

@@ -9,9 +9,11 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import weakref
 from typing import Any
 
-__all__ = ["local_cluster", "gpu_count", "slot_names", "workers_info", "CPU_WORKER_ENV"]
+__all__ = ["local_cluster", "gpu_count", "slot_names", "workers_info", "latest_workers_info",
+           "CPU_WORKER_ENV"]
 
 #: keeps XLA's CPU thread pool at one thread per single-threaded worker (no oversubscription)
 CPU_WORKER_ENV = {
@@ -146,10 +148,27 @@ def slot_names(client: Any) -> dict[str, str]:
 def workers_info(client: Any) -> dict[str, Any]:
     """Every worker's entry of the scheduler's identity, asked directly: the client's
     cached `scheduler_info()` is also refreshed by a periodic callback that lists no
-    workers, which can overwrite it between the refresh and the read."""
+    workers, which can overwrite it between the refresh and the read. The answer is
+    also kept as the client's `latest_workers_info`."""
     if not getattr(client, "asynchronous", False):
         try:
-            return dict(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
+            info = dict(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
         except TypeError:                   # an older scheduler without n_workers
-            return dict(client.sync(client.scheduler.identity)["workers"])
-    return dict(client.scheduler_info()["workers"])
+            info = dict(client.sync(client.scheduler.identity)["workers"])
+    else:
+        info = dict(client.scheduler_info()["workers"])
+    try:
+        _LATEST[client] = info
+    except TypeError:                       # not weak-referenceable (a stand-in client)
+        pass
+    return info
+
+
+_LATEST: "weakref.WeakKeyDictionary[Any, dict[str, Any]]" = weakref.WeakKeyDictionary()
+
+
+def latest_workers_info(client: Any) -> dict[str, Any]:
+    """The workers as `workers_info` last saw them for this client (asked now if never):
+    graph building reads it right after placement asked, without another round trip."""
+    info = _LATEST.get(client)
+    return info if info is not None else workers_info(client)

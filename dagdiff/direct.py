@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
@@ -404,6 +405,8 @@ class _Step:
         self.send_errors: list[str] = []            # values of ours that could not be
         self.created = _time.monotonic()
         self.started = False
+        self.keep_for = STALE_AFTER                 # seconds kept if its program never starts
+        self.gone: set[str] = set()                 # workers a message could not reach
 
 
 # state per (step, worker): several workers may share a process (processes=False)
@@ -428,31 +431,47 @@ def started(key: str) -> None:
 
 
 #: seconds after which values received for a program that never started are dropped
-#: (its step was cancelled before it ran here)
+#: (its step was cancelled before it ran here); at least twice the step's timeout
 STALE_AFTER = 3600.0
 
 
-def _step(step: tuple[str, str], start: bool = False) -> _Step | None:
+class _AlreadyStarted(Exception):
+    pass
+
+
+def _step(step: tuple[str, str], start: bool = False, timeout: float = 0.0) -> _Step | None:
+    """The state of `step` on this worker (None once it ended here). `start`: the program
+    begins (raises `_AlreadyStarted` if a program of this step already began here)."""
     with _GLOBAL:
         if step in _FINISHED:
             return None
         st = _STEPS.get(step)
         if st is None:
             st = _STEPS[step] = _Step()
-            stale = st.created - STALE_AFTER
-            for k in [k for k, s in _STEPS.items() if not s.started and s.created < stale]:
-                del _STEPS[k]
+            _sweep(st.created)
+        st.keep_for = max(st.keep_for, 2 * timeout)
         if start:
+            if st.started:
+                raise _AlreadyStarted
             st.started = True
         return st
 
 
+def _sweep(now: float) -> None:
+    """Forget steps whose program never started here in time (call with _GLOBAL held)."""
+    for k in [k for k, s in _STEPS.items() if not s.started and s.created < now - s.keep_for]:
+        del _STEPS[k]
+
+
 def _finish(step: tuple[str, str]) -> None:
+    import time as _time
+
     with _GLOBAL:
         _STEPS.pop(step, None)
         _FINISHED[step] = None
         while len(_FINISHED) > 1024:
             _FINISHED.popitem(last=False)
+        _sweep(_time.monotonic())
 
 
 def run_program(prog: Program, /, *static_values: Any) -> dict[str, Any]:
@@ -475,7 +494,13 @@ def run_program(prog: Program, /, *static_values: Any) -> dict[str, Any]:
                 f"{prog.key}: the step was built for {prog.where}'s worker process, which "
                 "was lost or restarted since (Dask runs the program again on its "
                 "replacement, but the other workers already went on). Run the step again.")
-    st = _step(here, start=True)
+    try:
+        st = _step(here, start=True, timeout=prog.timeout)
+    except _AlreadyStarted:
+        raise DirectDispatchError(
+            f"{prog.key} on {prog.where}: a run of this program already started in this "
+            "process (an in-process worker was restarted mid-step and Dask runs the program "
+            "again). Run the step again.") from None
     if st is None:
         raise DirectDispatchError(
             f"{prog.key} on {prog.where}: this step already ended on this worker (it "
@@ -513,7 +538,7 @@ def run_program(prog: Program, /, *static_values: Any) -> dict[str, Any]:
                 except BaseException as e:
                     failure = e
                     local.clear()
-            _send_error(prog, a, failure)
+            _send_error(st, prog, a, failure)
         failure = _close(st, prog, failure)
     finally:
         _RUNNING.pop(prog.key, None)
@@ -527,26 +552,32 @@ def _close(st: _Step, prog: Program, failure: BaseException | None) -> BaseExcep
     """The step's closing exchange: tell every other program of the step how this one
     ended, then (if it succeeded) wait until each of them says how it ended. A program
     returns only when the whole step succeeded, so what its outputs hand on (e.g. new
-    parameters to the next step) never outlives a failure elsewhere in the step."""
+    parameters to the next step) never outlives a failure elsewhere in the step.
+
+    The marks are queued behind this program's values (so they arrive after them) and
+    written by each peer's sender thread, all peers at once; a failed program does not
+    wait for them to be written."""
     if failure is None:
         failure = _flush(st, prog)
     if not prog.members:
         return failure
     mark = f"{_END}{prog.where}"
-    msg = None if failure is None else _describe(failure, f"the step failed on {prog.where}")
-    failed = _tell(prog, mark, [(w, address, ep, 1) for w, address, ep in prog.members], msg)
-    if failed and failure is None:
-        failure = DirectDispatchError(
-            f"{prog.key} could not tell {'; '.join(failed)} that it finished: the worker "
-            "was lost or restarted mid-step")
     if failure is not None:
+        _mark(st, prog, mark, [(w, a, ep, 1) for w, a, ep in prog.members],
+              _describe(failure, f"the step failed on {prog.where}"), wait=False)
         return failure
+    _mark(st, prog, mark, [(w, a, ep, 1) for w, a, ep in prog.members], None, wait=True)
     end = Action(f"{prog.key} (closing exchange)", Task(mark, _done, None), (), 0, (), False)
     try:
         for where, _, _ in prog.members:
             _take_remote(st, prog, end, f"{_END}{where}", where)
     except BaseException as e:
         return e
+    failure = _flush(st, prog)                # our marks were written, too
+    if failure is not None:
+        return DirectDispatchError(
+            f"{prog.key} could not tell every other worker of the step that it finished "
+            f"({failure}): a worker was lost or restarted mid-step")
     return None
 
 
@@ -643,22 +674,40 @@ def _secede() -> None:
         pass
 
 
-def _tell(prog: Program, key: str, targets: Any, error: str | None) -> list[str]:
-    """Send a message without a value (an error, or a program's end) about `key` to
-    each (where, address, endpoint, uses) in `targets` from this thread; returns the
-    targets that could not be reached."""
-    from .channel import send
+def _mark(st: _Step, prog: Program, key: str, targets: Any, error: str | None,
+          wait: bool) -> None:
+    """Queue a message without a value (an error, or a program's end) about `key` for
+    each (where, address, endpoint, uses) in `targets` that was reachable so far. With
+    `wait`, failures count as the step's send errors and `_flush` waits for them;
+    without, they are logged (best effort: a failed program does not wait)."""
+    from .channel import post
 
-    failed = []
     for where, address, ep, uses in targets:
-        try:
-            if ep is None:
-                raise DirectDispatchError(f"no dagdiff channel on {address}")
-            send(ep, {"step": prog.step, "where": where, "key": key, "uses": uses,
-                      "error": error, "value": None})
-        except Exception as e:
-            failed.append(f"{where} at {address} ({type(e).__name__}: {e})")
-    return failed
+        if where in st.gone or ep is None:
+            continue
+        msg = {"step": prog.step, "where": where, "key": key, "uses": uses,
+               "error": error, "value": None, "timeout": prog.timeout}
+        if wait:
+            with st.cond:
+                st.pending += 1
+        post(ep, msg, functools.partial(_sent, st, f"{key} to {where} at {address}", where,
+                                        wait))
+
+
+def _sent(st: _Step, what: str, where: str, counted: bool,
+          error: BaseException | None) -> None:
+    """A queued message was written (error None) or could not be."""
+    with st.cond:
+        if counted:
+            st.pending -= 1
+        if error is not None:
+            st.gone.add(where)
+            if counted:
+                st.send_errors.append(f"{what} ({type(error).__name__}: {error})")
+            else:
+                log.warning("dagdiff: could not send %s (%s: %s)", what,
+                            type(error).__name__, error)
+        st.cond.notify_all()
 
 
 def _describe(error: BaseException, what: str) -> str:
@@ -678,27 +727,19 @@ def _post(st: _Step, prog: Program, a: Action, value: Any) -> None:
     from .channel import post
 
     for r in a.remote:
+        what = f"{a.key} to {r.where} at {r.address}"
         if r.endpoint is None:
             with st.cond:
-                st.send_errors.append(f"{a.key} to {r.where} at {r.address} (no dagdiff "
-                                      "channel there)")
+                st.send_errors.append(f"{what} (no dagdiff channel there)")
             continue
 
         def message(r: Remote = r) -> dict[str, Any]:
             return {"step": prog.step, "where": r.where, "key": a.key, "uses": r.uses,
-                    "error": None, "value": _wire(value, r.leaves)}
-
-        def done(error: BaseException | None, r: Remote = r) -> None:
-            with st.cond:
-                st.pending -= 1
-                if error is not None:
-                    st.send_errors.append(f"{a.key} to {r.where} at {r.address} "
-                                          f"({type(error).__name__}: {error})")
-                st.cond.notify_all()
+                    "error": None, "value": _wire(value, r.leaves), "timeout": prog.timeout}
 
         with st.cond:
             st.pending += 1
-        post(r.endpoint, message, done)
+        post(r.endpoint, message, functools.partial(_sent, st, what, r.where, True))
 
 
 def _send_failure(prog: Program, st: _Step) -> DirectDispatchError:
@@ -728,14 +769,13 @@ def _flush(st: _Step, prog: Program) -> BaseException | None:
     return None
 
 
-def _send_error(prog: Program, a: Action, error: BaseException) -> None:
-    """Tell the remote consumers of an action that will not run why (best effort: a
-    consumer that cannot be reached times out instead)."""
-    failed = _tell(prog, a.key, [(r.where, r.address, r.endpoint, r.uses) for r in a.remote],
-                   _describe(error, f"{a.key} failed on {prog.where}"))
-    if failed:
-        log.warning("dagdiff: %s on %s could not tell %s that it failed", a.key, prog.where,
-                    "; ".join(failed))
+def _send_error(st: _Step, prog: Program, a: Action, error: BaseException) -> None:
+    """Tell the remote consumers of an action that will not run why (queued, best effort:
+    a consumer that cannot be reached times out instead; none after a cancellation,
+    which stops every program of the step)."""
+    if st.abort is None:
+        _mark(st, prog, a.key, [(r.where, r.address, r.endpoint, r.uses) for r in a.remote],
+              _describe(error, f"{a.key} failed on {prog.where}"), wait=False)
 
 
 def _wire(value: Any, leaves: frozenset[int] | None = None) -> Any:
@@ -765,7 +805,7 @@ def _wire(value: Any, leaves: frozenset[int] | None = None) -> Any:
 
 def _deliver(msg: dict[str, Any]) -> None:
     """A value (or error) for consumers of `msg['key']` on worker `msg['where']`."""
-    st = _step((msg["step"], msg["where"]))
+    st = _step((msg["step"], msg["where"]), timeout=float(msg.get("timeout") or 0.0))
     if st is None:
         return                                   # a late message for a finished step
     with st.cond:
@@ -815,22 +855,40 @@ def install_handlers(worker: Any) -> None:
                         "dispatch='scheduler'", address, e)
 
 
-_ENDPOINTS: "weakref.WeakKeyDictionary[Any, dict[str, Any]]" = weakref.WeakKeyDictionary()
+_ENDPOINTS: "weakref.WeakKeyDictionary[Any, dict[tuple[str, Any], tuple[Any, float]]]" = \
+    weakref.WeakKeyDictionary()
+#: seconds before a worker that had no channel is asked again
+ASK_AGAIN_AFTER = 30.0
 
 
 def endpoints(client: Any, addresses: set[str]) -> dict[str, Any]:
-    """Channel endpoint per worker address (asked once per worker through `Client.run`;
-    None for a worker without one)."""
+    """Channel endpoint per worker address, asked through `Client.run` once per worker
+    process (keyed by the worker's id, so a worker restarted at the same address is asked
+    again); None for a worker without one (asked again after `ASK_AGAIN_AFTER`)."""
     if client is None or not addresses:
         return {}
+    import time as _time
+
+    from .cluster import latest_workers_info
+
+    ids = {a: (w or {}).get("id") for a, w in latest_workers_info(client).items()}
     cache = _ENDPOINTS.setdefault(client, {})
-    missing = sorted(a for a in addresses if a not in cache)
+    now = _time.monotonic()
+
+    def known(a: str) -> bool:
+        got = cache.get((a, ids.get(a)))
+        return got is not None and (got[0] is not None or now - got[1] < ASK_AGAIN_AFTER)
+
+    missing = sorted(a for a in addresses if not known(a))
     if missing:
         try:
-            cache.update(client.run(endpoint, workers=missing))
+            answers = client.run(endpoint, workers=missing)
         except Exception as e:
             log.warning("dagdiff: could not ask workers for direct channels (%s)", e)
-    return {a: cache.get(a) for a in addresses}
+            answers = {}
+        for a in missing:
+            cache[(a, ids.get(a))] = (answers.get(a), now)
+    return {a: cache[(a, ids.get(a))][0] for a in addresses}
 
 
 def endpoint(dask_worker: Any = None) -> Any:

@@ -433,6 +433,124 @@ def test_a_value_that_does_not_unpickle_arrives_as_an_error() -> None:
     np.testing.assert_array_equal(got[1]["value"], [0, 1, 2])
 
 
+def test_a_peer_that_stops_reading_fails_the_send_after_the_write_timeout(
+        monkeypatch: Any) -> None:
+    """A live peer whose process stopped reading (paused, deadlocked): once the socket
+    buffers are full a write makes no progress; it fails after WRITE_TIMEOUT instead of
+    blocking the sender (and every later message to that peer) forever."""
+    import socket
+
+    monkeypatch.setattr(channel, "WRITE_TIMEOUT", 1.0)
+    key = b"s" * 32
+    held: list[Any] = []
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        def accept() -> None:                   # answers the challenge, then never reads
+            while True:
+                try:
+                    sock, _ = server.accept()
+                    held.append(channel._challenge(sock, key))
+                except OSError:
+                    return
+
+        threading.Thread(target=accept, daemon=True).start()
+        peer = channel._Peer(("127.0.0.1", server.getsockname()[1], key))
+        try:
+            peer.send({"key": "first", "value": None})
+            t0 = time.perf_counter()
+            big = np.ones(2**22, dtype=np.float32)         # 16 MB per message
+            with pytest.raises(OSError):
+                for _ in range(64):
+                    peer.send({"key": "big", "value": big})
+            assert time.perf_counter() - t0 < 20
+        finally:
+            peer.stop()
+            for conn in held:
+                conn.close()
+
+
+def _fails(x: Any) -> Any:
+    raise ValueError("boom")
+
+
+def test_a_failed_program_does_not_wait_to_tell_unreachable_consumers(
+        monkeypatch: Any) -> None:
+    """A failed program queues its error notices and returns: 30 actions whose consumer
+    never answers cost nothing (before: each notice waited for its own connect)."""
+    import socket
+
+    from dask._task_spec import Task
+
+    from dagdiff.direct import Remote
+
+    monkeypatch.setattr(channel, "CONNECT_TIMEOUT", 0.5)
+    with socket.create_server(("127.0.0.1", 0)) as mute:
+        ep = ("127.0.0.1", mute.getsockname()[1], b"k" * 32)
+        remote = (Remote("slot1", "tcp://127.0.0.1:2", ep, 1),)
+        actions = tuple(DirectAction(f"fwd_dense-s0-m{i}-n0-abc",
+                                     Task(f"fwd_dense-s0-m{i}-n0-abc", _fails, i), (), 0,
+                                     remote, False) for i in range(30))
+        prog = Program("prog_slot0-n0-abc", "s-fail-fast", "slot0", actions, (), timeout=60,
+                       members=(("slot1", "tcp://127.0.0.1:2", ep),))
+        t0 = time.perf_counter()
+        with pytest.raises(ValueError, match="boom"):
+            run_program(prog)
+        assert time.perf_counter() - t0 < 2
+
+
+def test_a_program_runs_once_per_process() -> None:
+    """An in-process worker restarted mid-step keeps its process: Dask's second run of a
+    program there must not share the first run's inputs (it refuses instead)."""
+    from dagdiff import direct
+
+    prog = Program("prog_slot0-n0-abc", "s-twice", "slot0", (), (), timeout=1)
+    direct._step((prog.step, prog.where), start=True, timeout=1)     # a first run began
+    with pytest.raises(dd.DirectDispatchError, match="already started in this process"):
+        run_program(prog)
+    direct._finish((prog.step, prog.where))
+
+
+def test_unstarted_steps_are_kept_for_twice_their_timeout(monkeypatch: Any) -> None:
+    from dagdiff import direct
+
+    monkeypatch.setattr(direct, "STALE_AFTER", 10.0)
+    short = direct._step(("s-short", "slot0"))
+    long = direct._step(("s-long", "slot0"), timeout=100.0)         # keep 200 s
+    assert short is not None and long is not None
+    short.created -= 50
+    long.created -= 50
+    direct._finish(("s-other", "slot0"))                              # sweeps
+    assert ("s-short", "slot0") not in direct._STEPS
+    assert direct._STEPS[("s-long", "slot0")] is long
+    direct._finish(("s-long", "slot0"))
+
+
+def test_endpoints_are_asked_again_for_a_restarted_worker(monkeypatch: Any) -> None:
+    from dagdiff import cluster, direct
+
+    class FakeClient:
+        def __init__(self) -> None:
+            self.asked: list[list[str]] = []
+            self.answer: dict[str, Any] = {"tcp://a:1": ("a", 1, b"k1")}
+
+        def run(self, fn: Any, workers: list[str]) -> dict[str, Any]:
+            self.asked.append(list(workers))
+            return {w: self.answer.get(w) for w in workers}
+
+    c = FakeClient()
+    cluster._LATEST[c] = {"tcp://a:1": {"id": "worker-1"}, "tcp://b:1": {"id": "worker-2"}}
+    assert direct.endpoints(c, {"tcp://a:1"}) == {"tcp://a:1": ("a", 1, b"k1")}
+    assert direct.endpoints(c, {"tcp://a:1"}) == {"tcp://a:1": ("a", 1, b"k1")}
+    assert c.asked == [["tcp://a:1"]]                                 # cached
+    cluster._LATEST[c] = {"tcp://a:1": {"id": "worker-1b"}}           # restarted, same port
+    c.answer = {"tcp://a:1": ("a", 1, b"k2")}
+    assert direct.endpoints(c, {"tcp://a:1"}) == {"tcp://a:1": ("a", 1, b"k2")}
+    assert direct.endpoints(c, {"tcp://b:1"}) == {"tcp://b:1": None}  # no channel (yet)
+    monkeypatch.setattr(direct, "ASK_AGAIN_AFTER", 0.0)
+    c.answer["tcp://b:1"] = ("b", 1, b"k3")
+    assert direct.endpoints(c, {"tcp://b:1"}) == {"tcp://b:1": ("b", 1, b"k3")}
+    assert c.asked == [["tcp://a:1"], ["tcp://a:1"], ["tcp://b:1"], ["tcp://b:1"]]
+
+
 @contextlib.contextmanager
 def socket_closed_port() -> Any:
     """A local port nobody listens on."""
