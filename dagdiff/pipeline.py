@@ -15,7 +15,7 @@ from dask._task_spec import DataNode, Task, TaskRef
 from .errors import MicrobatchError, PlacementError
 from .keys import key_info, make_key
 from .lower import Lowered
-from .schedules import Schedule, get_schedule
+from .schedules import Schedule, ScheduleError, get_schedule, simulate
 from .tasks import acc_task, mean_task, select_task, slice_task
 
 __all__ = ["microbatch_avals", "lower_pipeline", "PipelineGraph", "order_actions"]
@@ -176,6 +176,7 @@ def order_actions(dsk: dict[str, Any], lowered: list[Lowered], trace: Any, sched
             f"schedule {schedule.name!r} with {v} virtual stages per worker needs a number of "
             f"stages divisible by {v}; the model has {n_stages}")
     p = n_stages // v
+    simulate(schedule, p, m)                 # a custom schedule that cannot run fails here
     tasks: dict[tuple[int, int, str], list[str]] = defaultdict(list)
     for low in lowered:
         for key in list(low.fwd_keys.values()) + [k for ks in low.bwd_keys.values() for k in ks]:
@@ -207,7 +208,66 @@ def order_actions(dsk: dict[str, Any], lowered: list[Lowered], trace: Any, sched
             for k in keys:
                 priority[k] = len(acts) - pos
             prev_exit = exits
+    _check_acyclic(dsk, trace, schedule)
     return priority
+
+
+def _check_acyclic(dsk: Mapping[str, Any], trace: Any, schedule: Schedule) -> None:
+    """Raise ScheduleError when the schedule's ordering edges close a cycle with the data
+    edges (e.g. a model that comes back to an earlier stage: under 1F1B that stage's
+    backward would have to wait for a forward that waits for it)."""
+    indeg = {k: 0 for k in dsk}
+    users: dict[str, list[str]] = defaultdict(list)
+    for k, t in dsk.items():
+        for d in getattr(t, "dependencies", ()):
+            if d in indeg:
+                indeg[k] += 1
+                users[d].append(k)
+    ready = [k for k, n in indeg.items() if n == 0]
+    while ready:
+        for u in users[ready.pop()]:
+            indeg[u] -= 1
+            if indeg[u] == 0:
+                ready.append(u)
+    stuck = {k for k, n in indeg.items() if n > 0}
+    if not stuck:
+        return
+    cycle = _a_cycle(dsk, stuck)
+    steps = " -> ".join(_describe_key(k) for k in cycle[:8]) + (" ..." if len(cycle) > 8 else "")
+    back = [f"{n.name!r} on stage {n.stage} reads {trace.nodes[x.node].name!r} on stage "
+            f"{trace.nodes[x.node].stage}"
+            for n in trace.nodes if n.kind == "call"
+            for x in n.in_leaves if getattr(x, "node", None) is not None
+            and trace.nodes[x.node].kind == "call"
+            and (trace.nodes[x.node].stage or 0) > (n.stage or 0)]
+    hint = (f"the model goes back to an earlier stage ({back[0]}); number stages in model "
+            "order (a worker may hold several: schedule='interleaved' with stages 0..p*v-1), "
+            "or use schedule='gpipe'" if back else
+            "check that each worker's order runs a microbatch's forward before its backward")
+    raise ScheduleError(
+        f"schedule {schedule.name!r} cannot run this model: with its order on the workers, "
+        f"tasks wait for each other in a circle (each waits for the next: {steps}); "
+        f"fix: {hint}")
+
+
+def _a_cycle(dsk: Mapping[str, Any], stuck: set[str]) -> list[str]:
+    """One cycle among `stuck` keys (each has a dependency among them)."""
+    k = min(stuck)
+    seen: dict[str, int] = {}
+    path: list[str] = []
+    while k not in seen:
+        seen[k] = len(path)
+        path.append(k)
+        k = min(d for d in dsk[k].dependencies if d in stuck)
+    return path[seen[k]:] + [k]
+
+
+def _describe_key(key: str) -> str:
+    try:
+        info = key_info(key)
+    except Exception:
+        return key
+    return f"{info.phase}{info.microbatch} of {info.layer!r} (stage {info.stage})"
 
 
 def resolve_schedule(schedule: Any) -> Schedule:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -40,6 +42,10 @@ def _schedule_error(name: str, num_stages: object, microbatches: object,
         f"{name!r} schedule with num_stages={num_stages!r}, microbatches={microbatches!r}: "
         f"{problem}; fix: {fix}"
     )
+
+
+def _order_key(a: "Action") -> tuple[int, int, int]:
+    return (a.chunk, a.microbatch, "FBIW".index(a.kind))
 
 
 def _is_pos_int(x: object) -> bool:
@@ -110,14 +116,49 @@ class Schedule(ABC):
         """Per worker (0-based stage index), the actions in execution order."""
 
     def _checked_orders(self, num_stages: int, microbatches: int) -> list[list[Action]]:
+        """`orders()` checked: one list per worker, each running every one of its actions
+        exactly once (F and B, or F, I and W with ``split_backward``, for each microbatch
+        and virtual stage); action strings such as ``"F0"`` are parsed."""
         self.validate(num_stages, microbatches)
-        result = self.orders(num_stages, microbatches)
+        try:
+            result = [[a if isinstance(a, Action) else parse_action(a) for a in worker]
+                      for worker in self.orders(num_stages, microbatches)]
+        except (TypeError, ValueError) as e:
+            raise _schedule_error(
+                self.name, num_stages, microbatches, f"orders() did not return lists of "
+                f"actions ({type(e).__name__}: {e})",
+                "return one list of dd.Action (or strings like 'F0', 'B2.1') per worker",
+            ) from e
         if len(result) != num_stages:
             raise _schedule_error(
                 self.name, num_stages, microbatches,
                 f"orders() returned {len(result)} worker lists",
                 "return exactly one list of actions per stage from orders()",
             )
+        kinds = ("F", "I", "W") if self.split_backward else ("F", "B")
+        want = collections.Counter(Action(k, mb, c) for k in kinds
+                                   for mb in range(microbatches)
+                                   for c in range(self.virtual_stages))
+        for w, worker in enumerate(result):
+            got = collections.Counter(worker)
+            if got != want:
+                show = self.virtual_stages > 1
+                missing = sorted((want - got).elements(), key=_order_key)
+                extra = sorted((got - want).elements(), key=_order_key)
+                problem = "; ".join(
+                    f"{label} {', '.join(a.format(show) for a in acts[:6])}"
+                    f"{' ...' if len(acts) > 6 else ''}"
+                    for label, acts in (("is missing", missing), ("has extra", extra)) if acts)
+                raise _schedule_error(
+                    self.name, num_stages, microbatches, f"worker {w} {problem}",
+                    f"each worker runs {'/'.join(kinds)} exactly once per microbatch "
+                    f"(0..{microbatches - 1})"
+                    + (f" and virtual stage (0..{self.virtual_stages - 1})"
+                       if self.virtual_stages > 1 else "")
+                    + ("; I and W need split_backward = True on the schedule"
+                       if any(a.kind in "IW" for a in extra) and not self.split_backward
+                       else ""),
+                )
         return result
 
     def actions(self, num_stages: int, microbatches: int) -> list[list[str]]:

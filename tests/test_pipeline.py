@@ -136,6 +136,72 @@ def test_user_schedule_subclass() -> None:
     close(dask.compute(grads, scheduler="threads")[0], jax.grad(loss_fn)(params, x, t))
 
 
+class _Orders(dd.Schedule):
+    """A user schedule given as literal per-worker lists (the same list on every worker)."""
+
+    name = "literal"
+
+    def __init__(self, order: list[str], split: bool = False) -> None:
+        self.order, self.split_backward = order, split
+
+    def orders(self, num_stages: int, microbatches: int) -> Any:
+        return (list(self.order) for _ in range(num_stages))   # a generator of strings
+
+
+@pytest.mark.parametrize("order,split,message", [
+    (["F0", "F1", "F0", "B0", "B1"], False, "worker 0 has extra F0"),
+    (["F0", "F1", "B0"], False, "worker 0 is missing B1"),
+    (["F0", "F1", "F2", "B0", "B1", "B2"], False, "has extra F2, B2"),
+    (["F0", "F1", "I0", "W0", "I1", "W1"], False, "I and W need split_backward"),
+    (["F0", "F1", "B0", "B1"], True, "is missing I0, W0, I1, W1"),
+    (["B0", "B1", "F0", "F1"], False, "deadlock"),
+])
+def test_a_user_schedule_that_is_incomplete_or_cannot_run_fails_when_building(
+        order: list[str], split: bool, message: str) -> None:
+    loss_fn = make_loss(2)
+    params, x, t = data(2, batch=4)
+    with pytest.raises(dd.ScheduleError, match=message):
+        dd.value_and_grad(loss_fn, microbatches=2, schedule=_Orders(order, split))(
+            params, x, t)
+
+
+def test_a_user_schedule_may_be_strings_from_a_generator() -> None:
+    loss_fn = make_loss(2)
+    params, x, t = data(2, batch=4)
+    sched = _Orders(["F0", "F1", "B1", "B0"])
+    loss, grads = dd.value_and_grad(loss_fn, microbatches=2, schedule=sched)(params, x, t)
+    close(dask.compute(grads, scheduler="sync")[0], jax.grad(loss_fn)(params, x, t))
+
+
+def _back_and_forth(params: Any, x: Any, t: Any) -> Any:
+    h = x
+    for i, p in enumerate(params):
+        with dd.stage(i % 2):              # stages 0, 1, 0, 1: back to an earlier stage
+            h = M.dense(p, h)
+    with dd.stage(1):
+        return M.mse(h, t)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_a_model_that_goes_back_to_an_earlier_stage_is_named_when_building(
+        schedule: str) -> None:
+    params, x, t = data(4, batch=8)
+    with pytest.raises(dd.ScheduleError, match="goes back to an earlier stage") as e:
+        dd.value_and_grad(_back_and_forth, microbatches=4, schedule=schedule)(params, x, t)
+    assert "'dense' on stage 0 reads 'dense' on stage 1" in str(e.value)
+    assert "interleaved" in str(e.value) and "gpipe" in str(e.value)
+
+
+def test_gpipe_runs_a_model_that_goes_back_to_an_earlier_stage() -> None:
+    params, x, t = data(4, batch=8)
+    loss, grads = dd.value_and_grad(_back_and_forth, microbatches=4, schedule="gpipe")(
+        params, x, t)
+    got_l, got_g = dask.compute(loss, grads, scheduler="threads")
+    want_l, want_g = jax.value_and_grad(_back_and_forth)(params, x, t)
+    np.testing.assert_allclose(got_l, want_l, rtol=1e-5)
+    close(got_g, want_g)
+
+
 def executed_orders(client: Any, loss_fn: Any, args: Any, m: int, schedule: str,
                     p: int, dispatch: str | None = None) -> tuple[list[list[str]], Any]:
     """Per worker, the F/B/I/W actions in the order they computed (dd.record: the task
