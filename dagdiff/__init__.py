@@ -6,6 +6,7 @@ from .cluster import local_cluster
 from .custom import CustomLayer, custom_layer
 from .direct import DirectDispatchError
 from .errors import (
+    ArgumentError,
     DagdiffError,
     KeyFormatError,
     LayerShapeError,
@@ -66,6 +67,7 @@ __all__ = [
     "reset_peak_live",
     "Schedule",
     "ScheduleError",
+    "ArgumentError",
     "get_schedule",
     "DagdiffError",
     "LayerShapeError",

@@ -13,19 +13,21 @@ from dask.delayed import Delayed
 from dask.highlevelgraph import HighLevelGraph
 
 from .backward import build_backward
-from .errors import DagdiffError, TracerError
+from .errors import ArgumentError, DagdiffError, TracerError
 from .lower import Lowered, lower, select, trace_token
 from .tracer import Trace, Traced, fmt_aval, is_array
 
 __all__ = ["value_and_grad", "grad", "trace_call", "to_delayed"]
 
 
-def _argnums(argnums: int | Sequence[int], n: int, fname: str) -> tuple[int, ...]:
+def _argnums(argnums: int | Sequence[int], n: int, fname: str,
+             option: str = "argnums") -> tuple[int, ...]:
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     for a in nums:
-        if not isinstance(a, int) or not -n <= a < n:
-            raise ValueError(f"{fname}: argnums={argnums!r} but it was called with {n} "
-                             "positional arguments")
+        if not isinstance(a, int) or isinstance(a, bool) or not -n <= a < n:
+            raise ArgumentError(
+                f"{fname}: {option}={argnums!r} but it was called with {n} positional "
+                f"arguments; give indices in {-n}..{n - 1}")
     return tuple(a % n for a in nums)
 
 
@@ -86,7 +88,23 @@ def _argnames(fn: Callable[..., Any], n: int) -> list[str]:
     return [names[i] if i < len(names) else f"arg{i}" for i in range(n)]
 
 
+def _split_aux(out: Any, has_aux: bool, fname: str) -> tuple[Any, Any]:
+    """(loss, aux) from what the loss function returned."""
+    if not has_aux:
+        return out, None
+    if not (isinstance(out, tuple) and len(out) == 2):
+        what = (f"a {len(out)}-tuple" if isinstance(out, tuple) else
+                fmt_aval(out.aval) if isinstance(out, Traced) else type(out).__name__)
+        raise TracerError(f"{fname} with has_aux=True must return a 2-tuple (loss, aux), got "
+                          f"{what}; return (loss, aux) or drop has_aux=True")
+    return out
+
+
 def _check_loss(loss: Any, trace: Trace, fname: str) -> Traced:
+    if isinstance(loss, tuple) and len(loss) == 2 and isinstance(loss[0], Traced):
+        raise TracerError(
+            f"{fname} returned a 2-tuple, not a scalar loss; if the second item is auxiliary "
+            "output, pass has_aux=True (it returns (loss, aux) then)")
     if not isinstance(loss, Traced) or loss.trace is not trace:
         raise TracerError(
             f"{fname} must return a traced scalar (the output of a dd.layer call), got "
@@ -219,12 +237,7 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         nums = _argnums(argnums, len(args), fname)
         trace, out, targs = trace_call(fn, args, kwargs, nums, fname)
-        if has_aux:
-            if not (isinstance(out, tuple) and len(out) == 2):
-                raise TypeError(f"{fname} with has_aux=True must return (loss, aux)")
-            loss, aux = out
-        else:
-            loss, aux = out, None
+        loss, aux = _split_aux(out, has_aux, fname)
         loss = _check_loss(loss, trace, fname)
         client = current_client()
         trace, loss, aux = prepare(trace, loss, aux, client, stages, fuse)
@@ -258,10 +271,10 @@ def _pipelined(fn: Callable[..., Any], fname: str, argnums: Any, has_aux: bool, 
         nums = _argnums(argnums, len(args), fname)
         names = _argnames(fn, len(args))
         batch = ([i for i in range(len(args)) if i not in nums] if batch_argnums is None
-                 else list(_argnums(tuple(batch_argnums), len(args), fname)))
+                 else list(_argnums(batch_argnums, len(args), fname, "batch_argnums")))
         mb_args = microbatch_avals(args, names, batch, axis, m)
         trace, out, targs = trace_call(fn, tuple(mb_args), kwargs, nums, fname)
-        loss, aux = (out if has_aux else (out, None))
+        loss, aux = _split_aux(out, has_aux, fname)
         loss = _check_loss(loss, trace, fname)
         # full-batch values of the placeholder inputs (nodes are created in argument order)
         full: dict[int, Any] = {}

@@ -9,6 +9,7 @@ __all__ = [
     "KeyFormatError",
     "PlacementError",
     "MicrobatchError",
+    "ArgumentError",
 ]
 
 
@@ -38,3 +39,7 @@ class PlacementError(DagdiffError, ValueError):
 
 class MicrobatchError(DagdiffError, ValueError):
     """A batch argument cannot be split into the requested microbatches."""
+
+
+class ArgumentError(DagdiffError, ValueError):
+    """An argument or option of a dagdiff call is out of range or of the wrong kind."""

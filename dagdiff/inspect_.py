@@ -161,6 +161,9 @@ def record(client: Any = None) -> Iterator[Recording]:
     from .api import current_client
 
     c = client if client is not None else current_client()
+    if c is not None and not hasattr(c, "scheduler_info"):
+        raise TypeError(f"dd.record takes a distributed Client (or nothing: the current one), "
+                        f"got {type(c).__name__} {c!r}; e.g. dd.record(Client(address))")
     rec = Recording()
     if c is not None:
         from distributed import get_task_stream

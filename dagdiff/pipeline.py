@@ -34,6 +34,11 @@ def microbatch_avals(args: Sequence[Any], names: Sequence[str], batch_argnums: S
                 raise MicrobatchError(f"argument {names[i]!r} has a scalar leaf; it cannot be "
                                       f"split into {m} microbatches (exclude it with "
                                       "batch_argnums=...)")
+            if not -len(shape) <= axis < len(shape):
+                raise MicrobatchError(
+                    f"batch_axis={axis} but argument {names[i]!r} has shape {shape} "
+                    f"({len(shape)} axes); give an axis in {-len(shape)}..{len(shape) - 1}, or "
+                    "leave the argument out of batch_argnums")
             ax = axis % len(shape)
             if shape[ax] % m:
                 raise MicrobatchError(

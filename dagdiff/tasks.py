@@ -289,15 +289,39 @@ def fwd_task(spec: CallSpec, srcs: tuple[int, ...], dev: int | None, *vals: Any,
     microbatch) for the live-pullback count. `vjp=False`: no VJP task will ask for a
     pullback (the call does not reach the loss). `after`: ordering-only dependencies.
     """
-    if getattr(spec.layer, "custom", False):
-        return _custom_fwd(spec, srcs, vals, _device(dev), tag)
-    c = _compiled(spec)
-    d, nd = _split(spec, srcs, vals, _device(dev))
-    if spec.remat or not d or not vjp:
-        return FwdResult(jax.block_until_ready(c.forward(d, nd)), None, tag=tag)
-    out, pb = jax.block_until_ready(c.fwd_vjp(d, nd))   # the task ends when its work does
+    try:
+        if getattr(spec.layer, "custom", False):
+            return _custom_fwd(spec, srcs, vals, _device(dev), tag)
+        c = _compiled(spec)
+        d, nd = _split(spec, srcs, vals, _device(dev))
+        if spec.remat or not d or not vjp:
+            return FwdResult(jax.block_until_ready(c.forward(d, nd)), None, tag=tag)
+        out, pb = jax.block_until_ready(c.fwd_vjp(d, nd))   # the task ends when its work does
+    except Exception as e:
+        _note(e, "forward", spec, tag, vals)
+        raise
     _track(tag, +1)
     return FwdResult(out, pb, tag=tag)
+
+
+def _note(error: BaseException, what: str, spec: CallSpec, tag: Any, vals: Sequence[Any]) -> None:
+    """Say on a failing task's error which layer call it was (once): the user's traceback
+    otherwise ends in their layer's code with no stage or microbatch."""
+    if any(str(n).startswith("dagdiff: in the ") for n in getattr(error, "__notes__", ())):
+        return
+    where = ""
+    if isinstance(tag, tuple) and len(tag) == 2:
+        where = f" (stage {tag[0]}, microbatch {tag[1]})"
+    leaves = [x for v in vals for x in (v.out if isinstance(v, FwdResult) else [v])]
+    shapes = [f"{np.dtype(v.dtype).name}{list(v.shape)}" for v in leaves
+              if hasattr(v, "shape") and hasattr(v, "dtype")][:6]
+    note = f"dagdiff: in the {what} of layer {spec.name!r}{where}"
+    if shapes:
+        note += f", array inputs {', '.join(shapes)}"
+    try:
+        error.add_note(note)
+    except Exception:                          # Python < 3.11, or a frozen exception
+        pass
 
 
 def vjp_task(spec: CallSpec, srcs: tuple[int, ...], wrt: tuple[int, ...],
@@ -309,9 +333,13 @@ def vjp_task(spec: CallSpec, srcs: tuple[int, ...], wrt: tuple[int, ...],
     by the primal inputs, which are only read to rebuild a pullback that moved.
     `release`: this is the call's last backward task, so its pullback is dropped after.
     """
-    if getattr(spec.layer, "custom", False):
-        return _custom_vjp(spec, srcs, wrt, ct_srcs, dev, fwd, vals)
-    out = jax.block_until_ready(_vjp(spec, srcs, wrt, ct_srcs, dev, fwd, vals))
+    try:
+        if getattr(spec.layer, "custom", False):
+            return _custom_vjp(spec, srcs, wrt, ct_srcs, dev, fwd, vals)
+        out = jax.block_until_ready(_vjp(spec, srcs, wrt, ct_srcs, dev, fwd, vals))
+    except Exception as e:
+        _note(e, "VJP", spec, getattr(fwd, "tag", None), vals)
+        raise
     if release and fwd.pullback is not None:
         fwd.pullback = None
         _track(fwd.tag, -1)

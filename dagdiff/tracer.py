@@ -114,6 +114,21 @@ class Traced:
     def __hash__(self) -> int:
         return id(self)
 
+    def __lt__(self, o: Any) -> Any:
+        raise self._needs_data("A comparison (<, <=, >, >=)")
+
+    __le__ = __gt__ = __ge__ = __lt__
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _ARRAY_METHODS:
+            node = self.trace.nodes[self.node]
+            raise TracerError(
+                f"traced value {fmt_aval(self.aval)} (output of {node.kind} {node.name!r}) has "
+                f"no .{name}() outside a layer: only operators (+, -, *, /, @, **) and "
+                "indexing are recorded between layers. Compute it inside a function wrapped "
+                "in dd.layer (e.g. the loss layer).")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def __getitem__(self, index: Any) -> Any:
         return _GETITEM(self, _Index.encode(index))
 
@@ -130,6 +145,13 @@ class Traced:
     def __pow__(self, o: Any) -> Any: return _BINOPS["pow"](self, o)
     def __neg__(self) -> Any: return _NEG(self)
     def __pos__(self) -> Any: return self
+
+
+#: ndarray methods a user may try on a traced value between layers
+_ARRAY_METHODS = frozenset(
+    "sum mean max min prod std var argmax argmin any all cumsum cumprod reshape astype "
+    "squeeze flatten ravel transpose swapaxes clip round dot item tolist conj real imag "
+    "nonzero sort argsort trace diagonal repeat take".split())
 
 
 @dataclass(frozen=True, eq=False)
@@ -185,6 +207,11 @@ class Trace:
         """Record an input leaf; differentiated ones become 'param' nodes."""
         aval = aval_of(value)
         grad = differentiable and jax.dtypes.issubdtype(aval.dtype, np.inexact)
+        if differentiable and not grad:
+            raise TracerError(
+                f"differentiated argument leaf {path!r} is {fmt_aval(aval)}: gradients need "
+                "floating-point inputs (as with jax.grad); cast it (x.astype(jnp.float32)) or "
+                "pass it in an argument that is not differentiated (argnums=)")
         node = Node(
             index=len(self.nodes), kind="param" if grad else "input", name=path, stage=None,
             out_treedef=jax.tree_util.tree_structure(0), out_avals=(aval,),

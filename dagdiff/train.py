@@ -21,10 +21,11 @@ import jax
 import numpy as np
 from dask._task_spec import DataNode, Task, TaskRef
 
-from .api import (OutKey, _argnames, _check_loss, build_graph, check_dispatch, current_client,
-                  prepare, resolve_dispatch, scatter_batch, to_delayed, trace_call)
+from .api import (OutKey, _argnames, _argnums, _check_loss, build_graph, check_dispatch,
+                  current_client, prepare, resolve_dispatch, scatter_batch, to_delayed,
+                  trace_call)
 from .backward import build_backward
-from .errors import MicrobatchError
+from .errors import ArgumentError, MicrobatchError
 from .keys import make_key
 from .lower import trace_token
 from .pipeline import lower_pipeline, microbatch_avals, resolve_schedule
@@ -92,10 +93,14 @@ class Trainer:
                  stages: int | str | None = None, placement: Mapping[int, Any] | None = None,
                  fuse: bool | None = None, batch_argnums: Sequence[int] | None = None,
                  batch_axis: int = 0, dispatch: str | None = None) -> None:
-        if not isinstance(replicas, int) or replicas < 1:
-            raise ValueError(f"replicas must be a positive int, got {replicas!r}")
-        if not isinstance(microbatches, int) or microbatches < 1:
-            raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
+        for label, value in (("replicas", replicas), ("microbatches", microbatches)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ArgumentError(f"Trainer: {label} must be a positive int, got {value!r}")
+        if not (callable(getattr(optimizer, "init", None))
+                and callable(getattr(optimizer, "update", None))):
+            raise ArgumentError(
+                f"Trainer: optimizer must be an optax GradientTransformation (with init and "
+                f"update), got {type(optimizer).__name__}; e.g. optax.adam(1e-3)")
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.microbatches = microbatches
@@ -187,7 +192,8 @@ class Trainer:
         args = (pavals, *batch)
         names = _argnames(self.loss_fn, len(args))
         batch_nums = (list(range(1, len(args))) if self.batch_argnums is None
-                      else [i for i in self.batch_argnums])
+                      else list(_argnums(self.batch_argnums, len(args), fname,
+                                         "batch_argnums")))
         try:
             shard = microbatch_avals(args, names, batch_nums, self.batch_axis, r * m)
         except MicrobatchError as e:
@@ -256,6 +262,11 @@ class Trainer:
         Future on a cluster; a concrete scalar on the local scheduler)."""
         if self._treedef is None:
             raise RuntimeError("call Trainer.init(params) before Trainer.step")
+        if not isinstance(state, TrainState):
+            raise ArgumentError(
+                f"Trainer.step takes the TrainState from Trainer.init (or the previous step), "
+                f"got {type(state).__name__}: state = trainer.init(params); "
+                "state, loss = trainer.step(state, x, t)")
         model = self._model(batch)
         if not state.is_placed:
             state = self._place(state, model)
@@ -384,6 +395,11 @@ class Trainer:
         for i, batch in enumerate(batches):
             if steps is not None and i >= steps:
                 break
+            if not isinstance(batch, (tuple, list)):
+                raise ArgumentError(
+                    f"Trainer.fit takes an iterable of batches, each a tuple of the loss "
+                    f"function's batch arguments (e.g. [(x0, t0), (x1, t1), ...]); batch {i} "
+                    f"is a {type(batch).__name__}")
             state, loss = self.step(state, *batch)
             pending.append(loss)
             while len(pending) > 2:  # keep two steps in flight

@@ -1,0 +1,146 @@
+"""User mistakes get errors of the right type that name what is wrong and how to fix it."""
+from __future__ import annotations
+
+from typing import Any
+
+import dask
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import dagdiff as dd
+from tests import models as M
+
+KEY = jax.random.PRNGKey(0)
+
+
+def data(batch: int = 8) -> tuple[Any, Any, Any]:
+    params = M.init_dense(KEY, [4, 8, 3])
+    x = jax.random.normal(jax.random.fold_in(KEY, 1), (batch, 4))
+    t = jax.random.normal(jax.random.fold_in(KEY, 2), (batch, 3))
+    return params, x, t
+
+
+def loss_fn(params: Any, x: Any, t: Any) -> Any:
+    h = x
+    for s, p in enumerate(params):
+        with dd.stage(s):
+            h = M.dense(p, h)
+    with dd.stage(1):
+        return M.mse(h, t)
+
+
+def test_integer_parameters_are_refused_like_jax_grad() -> None:
+    params, x, t = data()
+    ints = jax.tree_util.tree_map(lambda a: a.astype(jnp.int32), params)
+    with pytest.raises(TypeError):                       # the reference refuses too
+        jax.grad(loss_fn)(ints, x, t)
+    with pytest.raises(dd.TracerError, match="'params_0_b' is i32\\[8\\]") as e:
+        dd.value_and_grad(loss_fn)(ints, x, t)
+    assert "astype(jnp.float32)" in str(e.value)
+
+
+def test_batch_options_are_checked_and_named() -> None:
+    params, x, t = data()
+    with pytest.raises(dd.MicrobatchError, match="batch_axis=2 but argument 'x' has shape"):
+        dd.value_and_grad(loss_fn, microbatches=2, schedule="gpipe", batch_axis=2)(
+            params, x, t)
+    with pytest.raises(dd.ArgumentError, match="batch_argnums=\\(1, 3\\)"):
+        dd.value_and_grad(loss_fn, microbatches=2, batch_argnums=(1, 3))(params, x, t)
+    # an int is accepted where jax accepts one (argnums); here only x is split, so t's
+    # full batch meets a microbatch of x in the loss layer
+    with pytest.raises(dd.LayerShapeError, match="'mse' on stage 1"):
+        dd.value_and_grad(loss_fn, microbatches=2, batch_argnums=1)(params, x, t)
+    loss, grads = dd.value_and_grad(loss_fn, microbatches=2, batch_argnums=(1, 2))(
+        params, x, t)
+    want = jax.grad(loss_fn)(params, x, t)
+    for a, b in zip(jax.tree_util.tree_leaves(dask.compute(grads, scheduler="sync")[0]),
+                    jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_aux_mismatches_say_has_aux() -> None:
+    params, x, t = data()
+
+    def with_aux(params: Any, x: Any, t: Any) -> Any:
+        h = M.dense(params[0], x)
+        return M.mse(M.dense(params[1], h), t), h
+
+    with pytest.raises(dd.TracerError, match="pass has_aux=True"):
+        dd.value_and_grad(with_aux)(params, x, t)
+    for kw in ({}, {"microbatches": 2, "schedule": "gpipe"}):
+        with pytest.raises(dd.TracerError, match="must return a 2-tuple \\(loss, aux\\), got "
+                                                 "f32\\[\\]"):
+            dd.value_and_grad(loss_fn, has_aux=True, **kw)(params, x, t)
+
+
+def test_array_methods_and_comparisons_between_layers_say_to_use_a_layer() -> None:
+    params, x, t = data()
+
+    def summed(params: Any, x: Any, t: Any) -> Any:
+        return (M.dense(params[0], x) - 1.0).sum()
+
+    with pytest.raises(dd.TracerError, match="has no .sum\\(\\) outside a layer"):
+        dd.value_and_grad(summed)(params, x, t)
+
+    def branches(params: Any, x: Any, t: Any) -> Any:
+        h = M.dense(params[0], x)
+        if h[0, 0] > 0:
+            h = -h
+        return M.mse(M.dense(params[1], h), t)
+
+    with pytest.raises(dd.TracerError, match="A comparison"):
+        dd.value_and_grad(branches)(params, x, t)
+
+
+def _overflow_fwd(x: Any) -> Any:
+    x = np.asarray(x)
+    if np.all(np.isfinite(x)) and x.size > 0 and not np.all(x == 0):   # not the zeros
+        raise FloatingPointError("overflow in the user's kernel")     # shapes are traced on
+    return np.exp(x), x
+
+
+def _overflow_bwd(res: Any, ct: Any) -> Any:
+    return (np.exp(res) * ct,)
+
+
+_explodes = dd.custom_layer(_overflow_fwd, _overflow_bwd, name="explodes")
+
+
+def test_a_layer_failing_at_run_time_names_layer_stage_and_microbatch() -> None:
+    params, x, t = data()
+
+    def fails(params: Any, x: Any, t: Any) -> Any:
+        with dd.stage(0):
+            h = M.dense(params[0], x)
+        with dd.stage(1):
+            return M.mse(M.dense(params[1], _explodes(h)), t)
+
+    loss, _ = dd.value_and_grad(fails, microbatches=2, schedule="gpipe")(params, x, t)
+    with pytest.raises(Exception, match="overflow") as e:
+        dask.compute(loss, scheduler="sync")
+    notes = "\n".join(getattr(e.value, "__notes__", []))
+    assert "forward of layer 'explodes' (stage 1, microbatch" in notes, notes
+    assert "float32[4, 8]" in notes
+
+
+def test_trainer_misuse_is_named() -> None:
+    params, x, t = data()
+    with pytest.raises(dd.ArgumentError, match="optax GradientTransformation"):
+        dd.Trainer(loss_fn, None)
+    with pytest.raises(dd.ArgumentError, match="microbatches must be a positive int"):
+        dd.Trainer(loss_fn, optax.sgd(0.1), microbatches=True)
+    trainer = dd.Trainer(loss_fn, optax.sgd(0.1), client=None)
+    trainer.init(params)
+    with pytest.raises(dd.ArgumentError, match="takes the TrainState"):
+        trainer.step(params, x, t)
+    with pytest.raises(dd.ArgumentError, match="batch 0 is a ArrayImpl|batch 0 is a"):
+        trainer.fit([x], state=trainer.init(params), progress=False)
+
+
+def test_record_wants_a_client() -> None:
+    with pytest.raises(TypeError, match="dd.record takes a distributed Client"):
+        with dd.record("tcp://127.0.0.1:1"):
+            pass
