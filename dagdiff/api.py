@@ -46,6 +46,13 @@ def trace_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
             new = [trace.add_input(x, _path(names[i], p), i in argnums) if _is_input(x) else x
                    for p, x in leaves]
             targs.append(jax.tree_util.tree_unflatten(td, new))
+        if argnums and not any(n.kind == "param" for n in trace.nodes):
+            seen = [f"{n.name} {fmt_aval(n.out_avals[0])}" for n in trace.nodes][:4]
+            raise TracerError(
+                f"{name}: nothing to differentiate: argument(s) {list(argnums)} have no "
+                f"floating-point array leaves (got {', '.join(seen) or 'no arrays'}); "
+                "integer leaves get no gradient (as with jax.grad, which refuses them). Cast "
+                "the parameters to float (x.astype(jnp.float32)), or pick argnums=")
         tkw = {k: jax.tree_util.tree_map(
             lambda x: trace.add_input(x, f"kw_{k}", False) if is_array(x) else x, v)
             for k, v in kwargs.items()}

@@ -78,12 +78,14 @@ class Traced:
 
     def _needs_data(self, what: str) -> TracerError:
         node = self.trace.nodes[self.node]
-        return TracerError(
-            f"{what} needs the data of traced value {fmt_aval(self.aval)} (output of "
-            f"{node.kind} {node.name!r}), which does not exist while tracing. Put the code "
-            "that uses it inside a function wrapped in dd.layer; control flow may only "
+        value = f"traced value {fmt_aval(self.aval)} (output of {node.kind} {node.name!r})"
+        err = TracerError(
+            f"{what} needs the data of {value}, which does not exist while tracing. Put the "
+            "code that uses it inside a function wrapped in dd.layer; control flow may only "
             "depend on static values (shapes, config)."
         )
+        err.value = value                    # type: ignore[attr-defined]
+        return err
 
     def __bool__(self) -> bool:
         raise self._needs_data("bool() (an if/while on a traced value)")
@@ -207,11 +209,6 @@ class Trace:
         """Record an input leaf; differentiated ones become 'param' nodes."""
         aval = aval_of(value)
         grad = differentiable and jax.dtypes.issubdtype(aval.dtype, np.inexact)
-        if differentiable and not grad:
-            raise TracerError(
-                f"differentiated argument leaf {path!r} is {fmt_aval(aval)}: gradients need "
-                "floating-point inputs (as with jax.grad); cast it (x.astype(jnp.float32)) or "
-                "pass it in an argument that is not differentiated (argnums=)")
         node = Node(
             index=len(self.nodes), kind="param" if grad else "input", name=path, stage=None,
             out_treedef=jax.tree_util.tree_structure(0), out_avals=(aval,),
@@ -311,6 +308,12 @@ def _infer(layer: Layer, treedef: Any, leaves: Sequence[Any], stage: int | None)
         args, kwargs = jax.tree_util.tree_unflatten(treedef, [_describe(x) for x in leaves])
         shown = ", ".join([*map(str, args), *(f"{k}={v}" for k, v in kwargs.items())])
         where = f" on stage {stage}" if stage is not None else ""
+        if isinstance(e, TracerError):       # it closes over a traced value
+            raise TracerError(
+                f"layer {layer.name!r}{where} uses a traced value it did not get as an "
+                f"argument ({getattr(e, 'value', 'see below')}); a layer "
+                "sees only its arguments' data: pass the value to the layer as an argument"
+            ) from e
         cls = LayerTypeError if isinstance(e, TypeError) and "shape" not in str(e).lower() \
             else LayerShapeError
         raise cls(
