@@ -25,7 +25,9 @@ class Layer:
         stage: int | None = None,
     ) -> None:
         if not callable(fn):
-            raise TypeError(f"dd.layer needs a callable, got {type(fn).__name__}")
+            hint = (f"; to name a layer write dd.layer(name={fn!r}) as a decorator"
+                    if isinstance(fn, str) else "")
+            raise TypeError(f"dd.layer needs a callable, got {type(fn).__name__}{hint}")
         self.fn = fn
         self.name = sanitize(name or getattr(fn, "__name__", None) or "layer")
         self.remat = bool(remat)

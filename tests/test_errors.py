@@ -164,3 +164,8 @@ def test_record_wants_a_client() -> None:
     with pytest.raises(TypeError, match="dd.record takes a distributed Client"):
         with dd.record("tcp://127.0.0.1:1"):
             pass
+
+
+def test_a_layer_name_given_as_the_function_gets_a_hint() -> None:
+    with pytest.raises(TypeError, match="dd.layer\\(name='enc'\\) as a decorator"):
+        dd.layer("enc")
