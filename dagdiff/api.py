@@ -13,7 +13,7 @@ from dask.delayed import Delayed
 from dask.highlevelgraph import HighLevelGraph
 
 from .backward import build_backward
-from .errors import ArgumentError, DagdiffError, TracerError
+from .errors import ArgumentError, DagdiffError, LayerShapeError, TracerError
 from .lower import Lowered, lower, select, trace_token
 from .tracer import Trace, Traced, fmt_aval, is_array
 
@@ -280,7 +280,20 @@ def _pipelined(fn: Callable[..., Any], fname: str, argnums: Any, has_aux: bool, 
         batch = ([i for i in range(len(args)) if i not in nums] if batch_argnums is None
                  else list(_argnums(batch_argnums, len(args), fname, "batch_argnums")))
         mb_args = microbatch_avals(args, names, batch, axis, m)
-        trace, out, targs = trace_call(fn, tuple(mb_args), kwargs, nums, fname)
+        try:
+            trace, out, targs = trace_call(fn, tuple(mb_args), kwargs, nums, fname)
+        except LayerShapeError as e:
+            unsplit = [f"{k}=" for k, v in kwargs.items()
+                       if any(map(is_array, jax.tree_util.tree_leaves(v)))]
+            unsplit += [repr(names[i]) for i in range(len(args))
+                        if i not in batch and any(map(is_array, jax.tree_util.tree_leaves(
+                            args[i]))) and i not in nums]
+            if unsplit:
+                e.add_note(f"dagdiff: split into {m} microbatches along axis {axis}: "
+                           f"{', '.join(repr(names[i]) for i in batch) or 'nothing'}; passed "
+                           f"whole to every microbatch: {', '.join(unsplit)} (keyword "
+                           "arguments are never split; choose with batch_argnums=)")
+            raise
         loss, aux = _split_aux(out, has_aux, fname)
         loss = _check_loss(loss, trace, fname)
         # full-batch values of the placeholder inputs (nodes are created in argument order)

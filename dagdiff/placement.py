@@ -69,6 +69,12 @@ def resolve_targets(stages: set[int], client: Any, placement: Mapping[int, Any] 
     placement = dict(placement or {})
     for s in placement:
         check_stage(s, "a key of placement")
+    unknown = sorted(set(placement) - set(stages))
+    if unknown and stages:
+        import warnings
+
+        warnings.warn(f"placement names stage(s) {unknown} that the model does not have (its "
+                      f"stages: {sorted(stages)}); those entries are ignored", stacklevel=3)
     if not stages:
         return Targets("none", {})
     if client is None:

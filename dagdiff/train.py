@@ -411,6 +411,12 @@ class Trainer:
             bar.set_postfix(loss=f"{losses[-1]:.4f}")
             bar.update(1)
         bar.close()
+        if steps is not None and len(losses) < steps:
+            import warnings
+
+            warnings.warn(f"Trainer.fit: the batches ran out after {len(losses)} of "
+                          f"steps={steps} steps; pass more batches (e.g. "
+                          "itertools.cycle(batches)) to train longer", stacklevel=2)
         return state, losses
 
 

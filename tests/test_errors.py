@@ -169,3 +169,21 @@ def test_record_wants_a_client() -> None:
 def test_a_layer_name_given_as_the_function_gets_a_hint() -> None:
     with pytest.raises(TypeError, match="dd.layer\\(name='enc'\\) as a decorator"):
         dd.layer("enc")
+
+
+def test_silent_gaps_warn() -> None:
+    params, x, t = data()
+    trainer = dd.Trainer(loss_fn, optax.sgd(0.1), client=None)
+    with pytest.warns(UserWarning, match="ran out after 1 of steps=3"):
+        trainer.fit([(x, t)], state=trainer.init(params), steps=3, progress=False)
+    with pytest.warns(UserWarning, match="stage\\(s\\) \\[7\\] that the model does not have"):
+        dd.value_and_grad(loss_fn, placement={7: 0})(params, x, t)
+
+
+def test_a_shape_error_in_a_pipeline_says_what_was_split() -> None:
+    params, x, t = data()
+    with pytest.raises(dd.LayerShapeError, match="'mse' on stage 1") as e:
+        dd.value_and_grad(loss_fn, microbatches=2, schedule="gpipe")(params, x, t=t)
+    notes = "\n".join(e.value.__notes__)
+    assert "split into 2 microbatches along axis 0: 'x'" in notes
+    assert "every microbatch: t= (keyword arguments are never split" in notes
