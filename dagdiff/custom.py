@@ -22,12 +22,24 @@ class CustomRuleError(DagdiffError, ValueError):
     """A custom rule returned cotangents that do not match its inputs."""
 
 
+def fwd_result(result: Any, name: str) -> tuple[Any, Any]:
+    """(out, residuals) from what a fwd rule returned, or a CustomRuleError saying why not."""
+    if not (isinstance(result, (tuple, list)) and len(result) == 2):
+        what = (f"a {len(result)}-tuple" if isinstance(result, tuple)
+                else type(result).__name__)
+        raise CustomRuleError(
+            f"custom layer {name!r}: fwd must return (out, residuals), got {what}; return "
+            "e.g. (y, (x, w)) - the residuals are what bwd(residuals, ct) needs")
+    return result[0], result[1]
+
+
 class _ShapeByRunning:
     """The eager function of a custom layer without a JAX version: runs `fwd` (on zeros of
     the right shapes when JAX traces it, e.g. for `jax.eval_shape` at trace time)."""
 
-    def __init__(self, fwd: Callable[..., Any]) -> None:
+    def __init__(self, fwd: Callable[..., Any], name: str = "custom") -> None:
         self.fwd = fwd
+        self.name = name
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
@@ -35,12 +47,12 @@ class _ShapeByRunning:
             concrete = [np.zeros(x.shape, x.dtype) if isinstance(x, jax.core.Tracer) else x
                         for x in leaves]
             a, k = jax.tree_util.tree_unflatten(treedef, concrete)
-            out, _ = self.fwd(*a, **k)
+            out, _ = fwd_result(self.fwd(*a, **k), self.name)
             import jax.numpy as jnp
 
             return jax.tree_util.tree_map(lambda o: jnp.zeros(np.shape(o), np.asarray(o).dtype),
                                           out)
-        out, _ = self.fwd(*args, **kwargs)
+        out, _ = fwd_result(self.fwd(*args, **kwargs), self.name)
         return out
 
     def __dask_tokenize__(self) -> Any:
@@ -61,7 +73,8 @@ class CustomLayer(Layer):
         self.fwd_rule = fwd
         self.bwd_rule = bwd
         self.jax_fn = jax_fn
-        fn = jax_fn if jax_fn is not None else _ShapeByRunning(fwd)
+        fn = (jax_fn if jax_fn is not None
+              else _ShapeByRunning(fwd, name or getattr(fwd, "__name__", "custom")))
         super().__init__(fn, name=name or getattr(fwd, "__name__", "custom"), stage=stage)
 
     @property

@@ -378,7 +378,10 @@ def _call_rule(spec: CallSpec, rule: Any, dyn: Sequence[Any], *extra: Any) -> An
 
 def _custom_fwd(spec: CallSpec, srcs: tuple[int, ...], vals: Sequence[Any], device: Any,
                 tag: Any) -> FwdResult:
-    out, res = _call_rule(spec, spec.layer.fwd_rule, _dyn_args(spec, srcs, vals, device))
+    from .custom import fwd_result
+
+    out, res = fwd_result(_call_rule(spec, spec.layer.fwd_rule,
+                                     _dyn_args(spec, srcs, vals, device)), spec.name)
     return FwdResult(jax.tree_util.tree_leaves(out), None, tag=tag, res=res)
 
 

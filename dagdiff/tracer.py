@@ -308,6 +308,10 @@ def _infer(layer: Layer, treedef: Any, leaves: Sequence[Any], stage: int | None)
         args, kwargs = jax.tree_util.tree_unflatten(treedef, [_describe(x) for x in leaves])
         shown = ", ".join([*map(str, args), *(f"{k}={v}" for k, v in kwargs.items())])
         where = f" on stage {stage}" if stage is not None else ""
+        if type(e).__name__ == "CustomRuleError":      # already says what is wrong
+            e.add_note(f"dagdiff: while tracing layer {layer.name!r}{where} on arguments "
+                       f"({shown})")
+            raise
         if isinstance(e, TracerError):       # it closes over a traced value
             raise TracerError(
                 f"layer {layer.name!r}{where} uses a traced value it did not get as an "

@@ -11,6 +11,7 @@ import optax
 import pytest
 
 import dagdiff as dd
+from dagdiff.custom import CustomRuleError
 from tests import models as M
 
 KEY = jax.random.PRNGKey(0)
@@ -187,3 +188,11 @@ def test_a_shape_error_in_a_pipeline_says_what_was_split() -> None:
     notes = "\n".join(e.value.__notes__)
     assert "split into 2 microbatches along axis 0: 'x'" in notes
     assert "every microbatch: t= (keyword arguments are never split" in notes
+
+
+def test_a_custom_fwd_without_residuals_is_named() -> None:
+    sin = dd.custom_layer(lambda x: np.sin(np.asarray(x)),            # forgot the residuals
+                          lambda res, ct: (np.cos(res) * ct,), name="np_sin")
+    want = "'np_sin': fwd must return \\(out, residuals\\), got ndarray"
+    with pytest.raises(CustomRuleError, match=want):
+        dd.value_and_grad(lambda p, x: M.mse(sin(p), x))(jnp.ones((2, 3)), jnp.ones((2, 3)))
