@@ -295,15 +295,15 @@ class _Peer:
         try:
             reused = self.conn is not None
             try:
-                self._write(msg)
+                self._connect_and_write(msg)
             except OSError:
                 if not reused:
                     raise
-                self._write(msg)             # the peer may have dropped an idle connection
+                self._connect_and_write(msg)  # the peer may have dropped an idle connection
         finally:
             self.lock.release()
 
-    def _write(self, msg: Any) -> None:
+    def _connect_and_write(self, msg: Any) -> None:
         import time
 
         try:

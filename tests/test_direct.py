@@ -303,15 +303,21 @@ def _identity(v: Any) -> Any:
     return v
 
 
-def test_channel_delivers_in_order_and_refuses_a_wrong_key() -> None:
+def _collect(n: int) -> tuple[list[Any], threading.Event, Any]:
+    """A channel handler that keeps what arrives; the event is set once `n` messages did."""
     got: list[Any] = []
-    done = threading.Event()
+    arrived = threading.Event()
 
     def handler(msg: dict[str, Any]) -> None:
         got.append(msg)
-        if len(got) == 3:
-            done.set()
+        if len(got) >= n:
+            arrived.set()
 
+    return got, arrived, handler
+
+
+def test_channel_delivers_in_order_and_refuses_a_wrong_key() -> None:
+    got, done, handler = _collect(3)
     host, port, key = channel.start("127.0.0.1", handler)
     for i in range(3):
         channel.send((host, port, key), {"i": i, "value": np.arange(i + 1)})
@@ -325,14 +331,8 @@ def test_channel_delivers_in_order_and_refuses_a_wrong_key() -> None:
 
 
 def test_posted_messages_arrive_in_order_with_writable_arrays() -> None:
-    got: list[Any] = []
-    arrived = threading.Event()
+    got, arrived, handler = _collect(3)
     done: list[Any] = []
-
-    def handler(msg: dict[str, Any]) -> None:
-        got.append(msg)
-        if len(got) == 3:
-            arrived.set()
 
     ep = channel.start("127.0.0.1", handler)
     big = np.arange(2**18, dtype=np.float32)          # 1 MB: travels out of band
@@ -357,12 +357,7 @@ def test_the_listener_survives_probes_and_peers_that_hang_up_or_never_answer() -
     import socket
     import struct
 
-    got: list[Any] = []
-    arrived = threading.Event()
-
-    def handler(msg: dict[str, Any]) -> None:
-        got.append(msg)
-        arrived.set()
+    got, arrived, handler = _collect(1)
 
     ep = channel.start("127.0.0.1", handler)
     silent = []
@@ -416,13 +411,7 @@ def _refuse() -> Any:
 
 
 def test_a_value_that_does_not_unpickle_arrives_as_an_error() -> None:
-    got: list[Any] = []
-    arrived = threading.Event()
-
-    def handler(msg: dict[str, Any]) -> None:
-        got.append(msg)
-        if len(got) == 2:
-            arrived.set()
+    got, arrived, handler = _collect(2)
 
     ep = channel.start("127.0.0.1", handler)
     channel.send(ep, {"key": "fwd-a", "error": None, "value": _Unpicklable()})
