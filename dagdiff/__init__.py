@@ -4,10 +4,10 @@ from __future__ import annotations
 from .api import grad, value_and_grad
 from .cluster import local_cluster
 from .custom import CustomLayer, custom_layer
-from .direct import DirectDispatchError
 from .errors import (
     ArgumentError,
     DagdiffError,
+    DirectDispatchError,
     KeyFormatError,
     LayerShapeError,
     LayerTypeError,
@@ -35,10 +35,10 @@ __version__ = "0.1.0"
 
 def dask_setup(worker: object) -> None:
     """Preload hook (``dask worker --preload dagdiff``, and dd.local_cluster's workers):
-    start the worker's direct-dispatch channel before any task arrives."""
-    from .direct import install_handlers
+    install the worker's direct-dispatch runtime before any task arrives."""
+    from .direct import install
 
-    install_handlers(worker)
+    install(worker)
 
 
 __all__ = [

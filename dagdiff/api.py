@@ -249,8 +249,8 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
         client = current_client()
         trace, loss, aux = prepare(trace, loss, aux, client, stages, fuse)
         plan = build_backward(trace, loss)
-        token = trace_token(trace, (nums, has_aux, fuse))
         targets, inputs, home = place(trace, client, placement, resident)
+        token = trace_token(trace, (nums, has_aux, fuse, input_keys(inputs)))
         low = lower(trace, plan, token, inputs=inputs,
                     devices=dict(targets.of) if targets.kind == "devices" else None)
         keys = _result_keys(low, trace, loss, aux, targs, token)
@@ -315,9 +315,7 @@ def _pipelined(fn: Callable[..., Any], fname: str, argnums: Any, has_aux: bool, 
         targets, inputs, home = place(trace, client, placement, resident)
         mode = resolve_dispatch(dispatch, client, targets)   # part of the keys: the two
         token = token[:8] + tokenize(*full.values(), mode,   # modes' tasks differ
-                                     ensure_deterministic=False)[:8]
-        if mode == "direct":
-            full = scatter_batch(client, targets, home, full)
+                                     input_keys(inputs), ensure_deterministic=False)[:8]
         pg = lower_pipeline(trace, plan, token, m, sched, full, axis, inputs, home, loss, aux,
                             dict(targets.of) if targets.kind == "devices" else None)
         keys = (OutKey(pg.loss_key),
@@ -418,14 +416,12 @@ def _direct_graph(dsk: dict[str, Any], stage_of: Mapping[str, int | None], targe
                   client: Any, outputs: set[str]) -> HighLevelGraph:
     from dask.highlevelgraph import MaterializedLayer
 
-    from .direct import RESOURCE_SHARE, endpoints, rewrite
+    from .direct import RESOURCE_SHARE, rewrite
 
-    client = client or current_client()
     worker_of = {k: targets.target(s) for k, s in stage_of.items()}
     slots = targets.kind == "slots"
-    addrs = set((targets.addresses if slots else targets.of).values())
     plan = rewrite(dsk, worker_of, priority, keep, targets.addresses, token, slots=slots,
-                   endpoints=endpoints(client, addrs), outputs=outputs)
+                   outputs=outputs)
     where = {k: w for k, w in worker_of.items() if w is not None}
     where.update(plan.placed)
     prio = {**priority, **plan.priority}
@@ -439,21 +435,10 @@ def _direct_graph(dsk: dict[str, Any], stage_of: Mapping[str, int | None], targe
     return HighLevelGraph({name: layer}, {name: set()})
 
 
-def scatter_batch(client: Any, targets: Any, home: Mapping[int, int | None],
-                  full: dict[int, Any]) -> dict[int, Any]:
-    """Send the step's full-batch arrays to the workers of their first consumers ahead of
-    the graph (direct dispatch): the microbatch slices are then ready the moment the
-    step arrives, instead of one scheduler round trip later."""
-    out = dict(full)
-    for idx, value in full.items():
-        if not isinstance(value, (jax.Array, np.ndarray)):
-            continue
-        where = targets.target(home.get(idx))
-        addr = targets.addresses.get(where) if targets.kind == "slots" else where
-        if addr is None:
-            continue
-        out[idx] = (client.scatter(value, workers=[addr], hash=False), -1)
-    return out
+def input_keys(inputs: Mapping[int, Any]) -> tuple[str, ...]:
+    """The Dask keys of a step's resident inputs (Futures): part of its token, so a key
+    names one computation over those very values (new arrays, new keys)."""
+    return tuple(sorted(str(getattr(v[0], "key", v[0])) for v in inputs.values()))
 
 
 def check_dispatch(dispatch: str | None) -> str | None:
@@ -464,25 +449,21 @@ def check_dispatch(dispatch: str | None) -> str | None:
 
 
 def resolve_dispatch(dispatch: str | None, client: Any, targets: Any) -> str:
-    """'direct' or 'scheduler' for a pipeline step (None: direct on a cluster whose
-    workers all run dagdiff's channel - TCP workers with dagdiff loaded)."""
+    """'direct' or 'scheduler' for a pipeline step (None: direct on a cluster, where
+    dagdiff's worker plugin gives every worker its direct-dispatch runtime; any comm:
+    tcp, tls, inproc, UCX)."""
     check_dispatch(dispatch)
     if client is None or targets.kind not in ("slots", "workers") or dispatch == "scheduler":
         return "scheduler"
     from .colocate import ensure_colocation
-    from .direct import endpoints
 
-    ensure_colocation(client)          # the workers' direct-dispatch channel
-    addrs = set((targets.addresses if targets.kind == "slots" else targets.of).values())
-    eps = endpoints(client, addrs)
-    if not eps or any(v is None for v in eps.values()):
+    if not ensure_colocation(client):  # dagdiff cannot be loaded on the workers
         if dispatch == "direct":
             import logging
 
             logging.getLogger(__name__).warning(
-                "dagdiff: dispatch='direct' needs every worker on TCP with dagdiff loaded "
-                "(--preload dagdiff); workers without a channel: %s. Using "
-                "dispatch='scheduler'.", sorted(a for a, v in eps.items() if v is None))
+                "dagdiff: dispatch='direct' needs dagdiff importable on every worker (its "
+                "worker plugin could not be registered); using dispatch='scheduler'.")
         return "scheduler"
     return "direct"
 

@@ -17,12 +17,9 @@ __all__ = ["ColocateVJP", "ensure_colocation"]
 
 log = logging.getLogger(__name__)
 _BWD = ("vjp_", "igrad_", "wgrad_")
-#: seconds between flushes of distributed's batched message streams (None: keep defaults);
-#: dask config ``dagdiff.batched-send-interval``
-LATENCY: float | None = None
-
-
 def _latency() -> float | None:
+    """Seconds between flushes of distributed's batched message streams (None: keep
+    distributed's defaults); dask config ``dagdiff.batched-send-interval``."""
     import dask
     from dask.utils import parse_timedelta
 
@@ -30,7 +27,6 @@ def _latency() -> float | None:
     return None if value in (None, "default") else parse_timedelta(value, default="ms")
 
 
-LATENCY = _latency()
 _registered: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
@@ -50,11 +46,12 @@ class ColocateVJP(SchedulerPlugin):
         _keep_forward_replicas(scheduler)
 
     def add_worker(self, scheduler: Any = None, worker: Any = None) -> None:
-        """Low-latency mode: flush scheduler->worker messages every `LATENCY` s (5 ms in
+        """Low-latency mode: flush scheduler->worker messages every `_latency()` s (5 ms in
         distributed), so a dependent chain of tasks waits less between hops."""
         comm = getattr(self.scheduler, "stream_comms", {}).get(worker)
-        if comm is not None and LATENCY is not None:
-            comm.interval = min(comm.interval, LATENCY)
+        latency = _latency()
+        if comm is not None and latency is not None:
+            comm.interval = min(comm.interval, latency)
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         if not isinstance(key, str) or not key.startswith("fwd_"):
@@ -81,34 +78,37 @@ class ColocateVJP(SchedulerPlugin):
 
 class LoadDagdiff(WorkerPlugin):
     """Import dagdiff on every worker (present and future) so that its serializers for
-    jax arrays are registered before any data arrives; start the worker's
-    direct-dispatch channel."""
+    jax arrays are registered before any data arrives, and install the worker's
+    direct-dispatch runtime (`dagdiff.direct.DirectRuntime`)."""
 
     name = "dagdiff-load"
 
     def setup(self, worker: Any) -> None:
         import dagdiff  # noqa: F401  (registers sizeof and serializers)
-        from .direct import install_handlers
+        from .direct import install
 
-        install_handlers(worker)
+        self.runtime = install(worker)
         stream = getattr(worker, "batched_stream", None)
-        if stream is not None and LATENCY is not None:  # worker->scheduler: 2 ms by default
-            stream.interval = min(stream.interval, LATENCY)
+        latency = _latency()
+        if stream is not None and latency is not None:  # worker->scheduler: 2 ms by default
+            stream.interval = min(stream.interval, latency)
+
+    def teardown(self, worker: Any) -> None:
+        rt = getattr(self, "runtime", None)
+        if rt is not None:
+            rt.close()
 
     def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:
         """Log when each task starts (exact per-worker order for `dd.record`); a running
         direct-dispatch program released by the scheduler (the client let go of the
         step, e.g. after an error) wakes and stops."""
-        if not isinstance(key, str):
+        rt = getattr(self, "runtime", None)
+        if rt is None or not isinstance(key, str):
             return
         if finish == "executing":
-            from .direct import started
-
-            started(key)
+            rt.started(key)
         elif start in ("executing", "long-running") and finish in ("released", "cancelled"):
-            from .direct import cancelled
-
-            cancelled(key)
+            rt.cancel(key)
 
 
 def _keep_forward_replicas(scheduler: Any) -> None:

@@ -10,6 +10,8 @@ __all__ = [
     "PlacementError",
     "MicrobatchError",
     "ArgumentError",
+    "DirectDispatchError",
+    "UpstreamError",
 ]
 
 
@@ -43,3 +45,13 @@ class MicrobatchError(DagdiffError, ValueError):
 
 class ArgumentError(DagdiffError, ValueError):
     """An argument or option of a dagdiff call is out of range or of the wrong kind."""
+
+
+class DirectDispatchError(DagdiffError, RuntimeError):
+    """A direct-dispatch step could not go on: an input never came (a worker was lost or
+    the step was cancelled), a program ran on a worker it was not built for, or the
+    schedule would deadlock."""
+
+
+class UpstreamError(DagdiffError, RuntimeError):
+    """An input of this task failed on its own worker (the message names the first failure)."""

@@ -35,6 +35,7 @@ PHASES: dict[str, str] = {
     "state": "state",
     "done": "done",
     "prog": "program",
+    "run": "run",
 }
 _PREFIX = {v: k for k, v in PHASES.items()}
 

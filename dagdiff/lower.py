@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from dask._task_spec import DataNode, Task, TaskRef  # dask's graph spec (dask >= 2024.12)
+from .taskspec import DataNode, Task, TaskRef
 
 from .backward import BackwardPlan, Source, Sum, Vjp
 from .keys import make_key

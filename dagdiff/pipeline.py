@@ -10,7 +10,7 @@ from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
-from dask._task_spec import DataNode, Task, TaskRef
+from .taskspec import DataNode, Task, TaskRef
 
 from .errors import MicrobatchError, PlacementError
 from .keys import key_info, make_key

@@ -463,7 +463,7 @@ def leaves_read(task: Any) -> dict[str, frozenset[int] | None]:
     `FwdResult` value, or None for the whole value. Direct dispatch sends another
     worker only those (a VJP result holds the weight gradients, which stay on the
     stage, next to the input cotangent the previous stage needs)."""
-    from dask._task_spec import TaskRef
+    from .taskspec import TaskRef
 
     reads: dict[str, set[int] | None] = {}
 

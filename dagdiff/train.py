@@ -19,10 +19,10 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import jax
 import numpy as np
-from dask._task_spec import DataNode, Task, TaskRef
+from .taskspec import DataNode, Task, TaskRef
 
 from .api import (OutKey, _argnames, _argnums, _check_loss, build_graph, check_dispatch,
-                  current_client, prepare, resolve_dispatch, scatter_batch, to_delayed,
+                  current_client, prepare, resolve_dispatch, to_delayed,
                   trace_call)
 from .backward import build_backward
 from .errors import ArgumentError, MicrobatchError
@@ -274,7 +274,11 @@ class Trainer:
         targets = self._targets(model)
         direct = (self.schedule is not None
                   and resolve_dispatch(self.dispatch, self.client, targets) == "direct")
-        token = trace_token(model.trace, ("step", state.step, self._uid))
+        # a key names one computation: this trainer's step from these very state values
+        # (their Futures' keys) on this batch's content, so a step from another state or
+        # on another batch never shares keys with this one, and the same step again does
+        token = trace_token(model.trace, ("step", state.step, self._uid,
+                                          _state_identity(state), _batch_token(batch)))
         dsk: dict[str, Any] = {}
         stage_of: dict[str, int | None] = {}
         priority: dict[str, int] = {}
@@ -299,8 +303,6 @@ class Trainer:
                 full[node_idx] = _shard(x, self.batch_axis, r, r_count)
             home = {k: (v + r * model.p if v is not None else None)
                     for k, v in model.home.items()}
-            if direct:
-                full = scatter_batch(self.client, targets, home, full)
             rtoken = f"{token[:12]}{r:04x}"
             pg = lower_pipeline(shifted, model.plan, rtoken, m, self.schedule, full,
                                 self.batch_axis, resident, home, model.loss, None,
@@ -418,6 +420,22 @@ class Trainer:
                           f"steps={steps} steps; pass more batches (e.g. "
                           "itertools.cycle(batches)) to train longer", stacklevel=2)
         return state, losses
+
+
+def _state_identity(state: TrainState) -> Any:
+    """The Dask keys of a placed state's values (or the values, on the local scheduler)."""
+    out = []
+    for rg, v in sorted((state.placed or {}).items()):
+        key = getattr(v, "key", None)
+        out.append((rg, key if key is not None else _batch_token([v])))
+    return tuple(out)
+
+
+def _batch_token(batch: Any) -> str:
+    """A content token of a step's batch (cached per jax array by dagdiff's tokenizer)."""
+    from dask.base import tokenize
+
+    return tokenize(*jax.tree_util.tree_leaves(batch), ensure_deterministic=False)
 
 
 def _result(x: Any) -> Any:

@@ -1,9 +1,8 @@
 """Direct dispatch: one program per worker in the order of a simulated run, values worker
-to worker, and failures that reach the caller instead of hanging."""
+to worker over distributed's comms, and failures that reach the caller instead of hanging."""
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from typing import Any
 
@@ -13,8 +12,9 @@ import numpy as np
 import pytest
 
 import dagdiff as dd
-from dagdiff import channel
 from dagdiff.direct import Action as DirectAction, Program, linearize, run_program
+from dagdiff.direct import runtime as rt_mod
+from dagdiff.direct.messages import Value, pack
 from dagdiff.schedules import Action
 from tests.test_pipeline import close, data, make_loss
 
@@ -96,26 +96,23 @@ def test_direct_dispatch_equals_full_batch_jax(client4: Any, schedule: str, n_st
     assert dd.remat_count(client4) == 0
 
 
-def _probe_every(seconds: float) -> tuple[float, float]:
-    from dagdiff import direct
-
-    old = (direct.PROBE_AFTER, direct.PROBE_EVERY)
-    direct.PROBE_AFTER = direct.PROBE_EVERY = seconds
+def _probe_every(seconds: float, after: float | None = None) -> tuple[float, float]:
+    old = (rt_mod.PROBE_AFTER, rt_mod.PROBE_EVERY)
+    rt_mod.PROBE_AFTER, rt_mod.PROBE_EVERY = seconds, (seconds if after is None else after)
     return old
 
 
-def _listening() -> bool:
-    import threading
-
-    return any(t.name == "dagdiff-channel-accept" for t in threading.enumerate())
+def _serving(dask_worker: Any) -> bool:
+    """The worker still answers direct-dispatch streams and probes."""
+    return {"dagdiff_stream", "dagdiff_status"} <= set(dask_worker.handlers)
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(200)
 def test_steps_stay_right_while_every_wait_probes_its_producer(client4: Any) -> None:
-    """Regression (CI hang): a program waiting >2 s probes its producer's listener; a
-    probe hanging up mid-handshake killed that listener and the next step hung. Here
-    every wait probes every millisecond, for several steps, and listeners survive."""
+    """Regression (CI hang with the old channel): a program waiting >2 s probes its
+    producer; here every wait probes every millisecond, for several steps, and every
+    step stays right and the workers keep serving."""
     loss_fn = make_loss(4)
     params, x, t = data(4, batch=32)
     want_l, want_g = jax.value_and_grad(loss_fn)(params, x, t)
@@ -132,7 +129,7 @@ def test_steps_stay_right_while_every_wait_probes_its_producer(client4: Any) -> 
     finally:
         for w, (after, every) in old.items():
             client4.run(_probe_every, after, workers=[w])
-    assert all(client4.run(_listening).values())
+    assert all(client4.run(_serving).values())
 
 
 @pytest.mark.distributed
@@ -147,7 +144,12 @@ def test_a_step_is_one_program_per_worker_in_schedule_order(client2: Any) -> Non
     for k, prog in progs.items():
         # programs read only the step's inputs, never each other (values go directly)
         assert not set(dsk[k].dependencies) & set(progs), k
-        assert set(dsk[k].dependencies) == set(prog.statics)
+        # the step's inputs that are Dask keys (resident parameters) and the run nonce;
+        # the batch travels inside the program task (no scattered data: recomputable)
+        nonce = next(d for d in dsk[k].dependencies if d.startswith("run_step"))
+        assert set(dsk[k].dependencies) == {s for s in prog.statics
+                                             if not s.startswith("input_")} | {nonce}
+        assert dsk[nonce].dependencies == frozenset()
         actions = [a.key for a in prog.actions]
         # no action is also an ordinary task, except as its program's export
         for a in prog.actions:
@@ -216,16 +218,12 @@ def _mse(y: Any, t: Any) -> Any:
     return jnp.mean((y - t) ** 2)
 
 
-def _running() -> int:
-    from dagdiff import direct
-
-    return len(direct._RUNNING)
+def _running(dask_worker: Any) -> int:
+    return len(dask_worker.extensions["dagdiff"]._running)
 
 
-def _running_keys() -> list[str]:
-    from dagdiff import direct
-
-    return sorted(direct._RUNNING)
+def _running_keys(dask_worker: Any) -> list[str]:
+    return sorted(dask_worker.extensions["dagdiff"]._running)
 
 
 def _waiting(client: Any, within: float = 10.0) -> int:
@@ -259,286 +257,301 @@ def test_a_cancelled_step_frees_its_waiting_tasks(client2: Any) -> None:
     assert _waiting(client2, within=20) == 0
 
 
-# --- the pieces, in process -------------------------------------------------------------
+# --- the pieces, on in-process and TCP clusters ------------------------------------------
 
-def test_a_missing_input_times_out_with_the_facts() -> None:
-    from dask._task_spec import Task, TaskRef
+@pytest.fixture(scope="module")
+def inproc() -> Any:
+    """A client of a 2-worker in-process cluster (inproc:// comms)."""
+    from distributed import Client
 
+    cluster = dd.local_cluster(n_workers=2, dashboard_address=None, quiet=True,
+                               processes=False)
+    client = Client(cluster, set_as_default=False)
+    from dagdiff.colocate import ensure_colocation
+
+    ensure_colocation(client)
+    yield client
+    client.close()
+    cluster.close()
+
+
+def _addresses(client: Any) -> list[str]:
+    return sorted(dd.cluster.slot_names(client), key=lambda a: dd.cluster.slot_names(client)[a])
+
+
+def _submit(client: Any, prog: Program, address: str, nonce: str = "n1") -> Any:
+    return client.submit(run_program, prog, nonce, workers=[address], pure=False,
+                         allow_other_workers=False)
+
+
+def test_a_missing_input_times_out_with_the_facts(inproc: Any) -> None:
+    from dagdiff.taskspec import Task, TaskRef
+
+    a0, a1 = _addresses(inproc)
     src = "fwd_dense-s0-m0-n0-abc"
     key = "fwd_dense-s1-m0-n1-abc"
     action = DirectAction(key, Task(key, _identity, TaskRef(src)), ((src, "slot0"),), 0, (),
                           True)
-    prog = Program("prog_slot1-n1-abc", "s-test", "slot1", (action,), (), timeout=0.3)
+    prog = Program("prog_slot1-n1-abc", "s-test", "slot1", a1, (action,), (), timeout=0.3,
+                   members=(("slot0", a0),))
     t0 = time.perf_counter()
     with pytest.raises(dd.DirectDispatchError) as e:
-        run_program(prog)
+        _submit(inproc, prog, a1).result(timeout=30)
     text = str(e.value)
     assert time.perf_counter() - t0 < 5
     assert f"{key} on slot1 waited 0.3 s for input {src} from slot0" in text
     assert "dagdiff.direct.timeout" in text
 
 
-def test_a_dead_producer_is_noticed_while_waiting(monkeypatch: Any) -> None:
-    from dask._task_spec import Task, TaskRef
+def test_a_program_built_for_another_worker_refuses_to_run(inproc: Any) -> None:
+    """Dask reruns a lost worker's program on its replacement (a new address): the
+    others sent their values to the old one, so it fails at once, saying so."""
+    a0, a1 = _addresses(inproc)
+    prog = Program("prog_slot1-n1-abc", "s-moved", "slot1", "inproc://gone/1/1", (), (),
+                   timeout=60)
+    with pytest.raises(dd.DirectDispatchError, match="was lost or restarted since"):
+        _submit(inproc, prog, a1).result(timeout=30)
 
-    from dagdiff import direct
+
+@pytest.mark.distributed
+def test_a_dead_producer_is_noticed_while_waiting(client2: Any) -> None:
+    from dagdiff.taskspec import Task, TaskRef
 
     with socket_closed_port() as port:     # a port nobody listens on any more
         pass
-    monkeypatch.setattr(direct, "PROBE_AFTER", 0.2)
-    src = "vjp_dense-s1-m0-n1-abc"
-    key = "vjp_dense-s0-m0-n0-abc"
-    action = DirectAction(key, Task(key, _identity, TaskRef(src)), ((src, "slot1"),), 0, (),
-                          True)
-    prog = Program("prog_slot0-n0-abc", "s-probe", "slot0", (action,), (), timeout=60,
-                   peers=(("slot1", "tcp://127.0.0.1:1", ("127.0.0.1", port, b"k" * 16)),))
-    t0 = time.perf_counter()
-    with pytest.raises(dd.DirectDispatchError, match="which no longer runs") as e:
-        run_program(prog)
-    assert time.perf_counter() - t0 < 10
-    assert f"waits for input {src} from slot1 at tcp://127.0.0.1:1" in str(e.value)
-
-
-def _identity(v: Any) -> Any:
-    return v
-
-
-def _collect(n: int) -> tuple[list[Any], threading.Event, Any]:
-    """A channel handler that keeps what arrives; the event is set once `n` messages did."""
-    got: list[Any] = []
-    arrived = threading.Event()
-
-    def handler(msg: dict[str, Any]) -> None:
-        got.append(msg)
-        if len(got) >= n:
-            arrived.set()
-
-    return got, arrived, handler
-
-
-def test_channel_delivers_in_order_and_refuses_a_wrong_key() -> None:
-    got, done, handler = _collect(3)
-    host, port, key = channel.start("127.0.0.1", handler)
-    for i in range(3):
-        channel.send((host, port, key), {"i": i, "value": np.arange(i + 1)})
-    assert done.wait(10)
-    assert [m["i"] for m in got] == [0, 1, 2]
-    np.testing.assert_array_equal(got[2]["value"], [0, 1, 2])
-    with pytest.raises(Exception):
-        channel.send((host, port + 0, b"not-the-key-0000"), {"i": 9})
-    time.sleep(0.2)
-    assert len(got) == 3
-
-
-def test_posted_messages_arrive_in_order_with_writable_arrays() -> None:
-    got, arrived, handler = _collect(3)
-    done: list[Any] = []
-
-    ep = channel.start("127.0.0.1", handler)
-    big = np.arange(2**18, dtype=np.float32)          # 1 MB: travels out of band
-    for i in range(3):
-        channel.post(ep, lambda i=i: {"i": i, "value": big * i}, done.append)
-    assert arrived.wait(10)
-    assert [m["i"] for m in got] == [0, 1, 2] and done == [None, None, None]
-    np.testing.assert_array_equal(got[2]["value"], big * 2)
-    got[2]["value"][0] = 5.0                          # consumers may write in place
-    with socket_closed_port() as port:
-        failed = threading.Event()
-        errors: list[Any] = []
-        channel.post(("127.0.0.1", port, b"k" * 16), {"i": 9},
-                     lambda e: (errors.append(e), failed.set()))
-        assert failed.wait(10) and isinstance(errors[0], OSError)
-
-
-def test_the_listener_survives_probes_and_peers_that_hang_up_or_never_answer() -> None:
-    """Regression (CI hang): a liveness probe that hung up during the key challenge
-    (ConnectionResetError, an OSError) ended the accept loop; every later connect then
-    waited forever for a challenge, and the program waiting to post behind it too."""
-    import socket
-    import struct
-
-    got, arrived, handler = _collect(1)
-
-    ep = channel.start("127.0.0.1", handler)
-    silent = []
-    for i in range(20):
-        assert channel.reachable(ep, timeout=5) is True
-        s = socket.create_connection(ep[:2])
-        if i % 2:                                       # hang up with a reset (RST)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            s.close()
-        else:                                           # connect and never answer
-            silent.append(s)
-    t0 = time.perf_counter()
-    channel.send(ep, {"i": 1, "value": np.ones(3)})
-    assert arrived.wait(10) and got[-1]["i"] == 1
-    assert time.perf_counter() - t0 < 5
-    for s in silent:
-        s.close()
-
-
-def test_a_peer_that_never_answers_fails_sends_in_bounded_time(monkeypatch: Any) -> None:
-    """A port that accepts TCP but never answers the challenge (a stuck process): `post`
-    returns at once, and the send fails with the facts after CONNECT_TIMEOUT; `send`
-    (from a program's own thread) too, even while the sender thread holds the peer."""
-    import socket
-
-    monkeypatch.setattr(channel, "CONNECT_TIMEOUT", 0.5)
-    with socket.create_server(("127.0.0.1", 0)) as mute:
-        ep = ("127.0.0.1", mute.getsockname()[1], b"k" * 32)
-        errors: list[Any] = []
-        failed = threading.Event()
+    a0, _ = _addresses(client2)
+    old = client2.run(_probe_every, 0.2, workers=[a0])
+    try:
+        src = "vjp_dense-s1-m0-n1-abc"
+        key = "vjp_dense-s0-m0-n0-abc"
+        dead = f"tcp://127.0.0.1:{port}"
+        action = DirectAction(key, Task(key, _identity, TaskRef(src)), ((src, "slot1"),), 0,
+                              (), True)
+        prog = Program("prog_slot0-n0-abc", "s-probe", "slot0", a0, (action,), (),
+                       timeout=60, members=(("slot1", dead),))
         t0 = time.perf_counter()
-        channel.post(ep, {"i": 1}, lambda e: (errors.append(e), failed.set()))
-        assert time.perf_counter() - t0 < 1               # queued, not sent
-        with pytest.raises(channel.ChannelError, match="did not answer|stayed busy") as e:
-            channel.send(ep, {"i": 2})
-        assert failed.wait(5) and isinstance(errors[0], channel.ChannelError)
-        # whichever connected first waited for the challenge, the other for the peer
-        assert "did not answer the key challenge" in str(errors[0]) + str(e.value)
-        assert time.perf_counter() - t0 < 8               # not a hang
-
-
-class _Unpicklable:
-    """Pickles fine, fails to unpickle (e.g. a class missing on the receiving worker)."""
-
-    def __reduce__(self) -> Any:
-        return (_refuse, ())
-
-
-def _refuse() -> Any:
-    raise ImportError("no module named 'only_on_the_sender'")
-
-
-def test_a_value_that_does_not_unpickle_arrives_as_an_error() -> None:
-    got, arrived, handler = _collect(2)
-
-    ep = channel.start("127.0.0.1", handler)
-    channel.send(ep, {"key": "fwd-a", "error": None, "value": _Unpicklable()})
-    channel.send(ep, {"key": "fwd-b", "error": None, "value": np.arange(3)})
-    assert arrived.wait(10)
-    assert got[0]["value"] is None and "fwd-a could not be unpickled" in got[0]["error"]
-    assert "only_on_the_sender" in got[0]["error"]
-    assert got[1]["error"] is None                          # the stream goes on
-    np.testing.assert_array_equal(got[1]["value"], [0, 1, 2])
-
-
-def test_a_peer_that_stops_reading_fails_the_send_after_the_write_timeout(
-        monkeypatch: Any) -> None:
-    """A live peer whose process stopped reading (paused, deadlocked): once the socket
-    buffers are full a write makes no progress; it fails after WRITE_TIMEOUT instead of
-    blocking the sender (and every later message to that peer) forever."""
-    import socket
-
-    monkeypatch.setattr(channel, "WRITE_TIMEOUT", 1.0)
-    key = b"s" * 32
-    held: list[Any] = []
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        def accept() -> None:                   # answers the challenge, then never reads
-            while True:
-                try:
-                    sock, _ = server.accept()
-                    held.append(channel._challenge(sock, key))
-                except OSError:
-                    return
-
-        threading.Thread(target=accept, daemon=True).start()
-        peer = channel._Peer(("127.0.0.1", server.getsockname()[1], key))
-        try:
-            peer.send({"key": "first", "value": None})
-            t0 = time.perf_counter()
-            big = np.ones(2**22, dtype=np.float32)         # 16 MB per message
-            with pytest.raises(OSError):
-                for _ in range(64):
-                    peer.send({"key": "big", "value": big})
-            assert time.perf_counter() - t0 < 20
-        finally:
-            peer.stop()
-            for conn in held:
-                conn.close()
+        with pytest.raises(dd.DirectDispatchError, match="where nothing listens any more") as e:
+            _submit(client2, prog, a0).result(timeout=60)
+        assert time.perf_counter() - t0 < 20
+        assert f"waits for input {src} from slot1 at {dead}" in str(e.value)
+    finally:
+        client2.run(_probe_every, *old[a0], workers=[a0])
 
 
 def _fails(x: Any) -> Any:
     raise ValueError("boom")
 
 
-def test_a_failed_program_does_not_wait_to_tell_unreachable_consumers(
-        monkeypatch: Any) -> None:
+@pytest.mark.distributed
+def test_a_failed_program_does_not_wait_to_tell_unreachable_consumers(client2: Any) -> None:
     """A failed program queues its error notices and returns: 30 actions whose consumer
-    never answers cost nothing (before: each notice waited for its own connect)."""
-    import socket
+    cannot be reached cost nothing."""
+    from dagdiff.direct.runtime import Remote
+    from dagdiff.taskspec import Task
 
-    from dask._task_spec import Task
-
-    from dagdiff.direct import Remote
-
-    monkeypatch.setattr(channel, "CONNECT_TIMEOUT", 0.5)
-    with socket.create_server(("127.0.0.1", 0)) as mute:
-        ep = ("127.0.0.1", mute.getsockname()[1], b"k" * 32)
-        remote = (Remote("slot1", "tcp://127.0.0.1:2", ep, 1),)
-        actions = tuple(DirectAction(f"fwd_dense-s0-m{i}-n0-abc",
-                                     Task(f"fwd_dense-s0-m{i}-n0-abc", _fails, i), (), 0,
-                                     remote, False) for i in range(30))
-        prog = Program("prog_slot0-n0-abc", "s-fail-fast", "slot0", actions, (), timeout=60,
-                       members=(("slot1", "tcp://127.0.0.1:2", ep),))
-        t0 = time.perf_counter()
-        with pytest.raises(ValueError, match="boom"):
-            run_program(prog)
-        assert time.perf_counter() - t0 < 2
+    with socket_closed_port() as port:
+        pass
+    a0, _ = _addresses(client2)
+    dead = f"tcp://127.0.0.1:{port}"
+    remote = (Remote("slot1", dead, 1),)
+    actions = tuple(DirectAction(f"fwd_dense-s0-m{i}-n0-abc",
+                                 Task(f"fwd_dense-s0-m{i}-n0-abc", _fails, i), (), 0,
+                                 remote, False) for i in range(30))
+    prog = Program("prog_slot0-n0-abc", "s-fail-fast", "slot0", a0, actions, (), timeout=60,
+                   members=(("slot1", dead),))
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match="boom"):
+        _submit(client2, prog, a0).result(timeout=60)
+    assert time.perf_counter() - t0 < 5
 
 
-def test_a_program_runs_once_per_process() -> None:
-    """An in-process worker restarted mid-step keeps its process: Dask's second run of a
-    program there must not share the first run's inputs (it refuses instead)."""
-    from dagdiff import direct
+def test_a_run_starts_once_per_worker(inproc: Any) -> None:
+    """Dask running the same program of the same run twice on one worker (an in-process
+    worker restarted mid-step) must not share the first run's inputs: it refuses."""
+    a0, _ = _addresses(inproc)
 
-    prog = Program("prog_slot0-n0-abc", "s-twice", "slot0", (), (), timeout=1)
-    direct._step((prog.step, prog.where), start=True, timeout=1)     # a first run began
-    with pytest.raises(dd.DirectDispatchError, match="already started in this process"):
-        run_program(prog)
-    direct._finish((prog.step, prog.where))
+    def begin(dask_worker: Any) -> None:
+        dask_worker.extensions["dagdiff"]._state("s-twice/n1", start=True)
+
+    inproc.run(begin, workers=[a0])
+    prog = Program("prog_slot0-n0-abc", "s-twice", "slot0", a0, (), (), timeout=1)
+    with pytest.raises(dd.DirectDispatchError, match="already started on"):
+        _submit(inproc, prog, a0).result(timeout=30)
+    # a new run of the same step (a new nonce: the step computed again) runs
+    assert _submit(inproc, prog, a0, nonce="n2").result(timeout=30) == {}
 
 
-def test_unstarted_steps_are_kept_for_twice_their_timeout(monkeypatch: Any) -> None:
-    from dagdiff import direct
+def test_unstarted_runs_are_kept_for_twice_their_timeout(monkeypatch: Any) -> None:
+    class Worker:
+        address = "inproc://x/1/1"
+        handlers: dict[str, Any] = {}
+        extensions: dict[str, Any] = {}
 
-    monkeypatch.setattr(direct, "STALE_AFTER", 10.0)
-    short = direct._step(("s-short", "slot0"))
-    long = direct._step(("s-long", "slot0"), timeout=100.0)         # keep 200 s
+    monkeypatch.setattr(rt_mod, "STALE_AFTER", 10.0)
+    rt = rt_mod.DirectRuntime(Worker())
+    with dask_config({"dagdiff.direct.timeout": "100s"}):
+        long = rt._state("s-long/n")                     # kept 200 s
+    short_cfg = {"dagdiff.direct.timeout": "1s"}
+    with dask_config(short_cfg):
+        short = rt._state("s-short/n")                   # kept 10 s
     assert short is not None and long is not None
     short.created -= 50
     long.created -= 50
-    direct._finish(("s-other", "slot0"))                              # sweeps
-    assert ("s-short", "slot0") not in direct._STEPS
-    assert direct._STEPS[("s-long", "slot0")] is long
-    direct._finish(("s-long", "slot0"))
+    rt._finish("s-other/n", "ended")                     # sweeps
+    assert "s-short/n" not in rt._runs
+    assert rt._runs["s-long/n"] is long
 
 
-def test_endpoints_are_asked_again_for_a_restarted_worker(monkeypatch: Any) -> None:
-    from dagdiff import cluster, direct
+def dask_config(values: dict[str, Any]) -> Any:
+    import dask
 
-    class FakeClient:
-        def __init__(self) -> None:
-            self.asked: list[list[str]] = []
-            self.answer: dict[str, Any] = {"tcp://a:1": ("a", 1, b"k1")}
+    return dask.config.set(values)
 
-        def run(self, fn: Any, workers: list[str]) -> dict[str, Any]:
-            self.asked.append(list(workers))
-            return {w: self.answer.get(w) for w in workers}
 
-    c = FakeClient()
-    cluster._LATEST[c] = {"tcp://a:1": {"id": "worker-1"}, "tcp://b:1": {"id": "worker-2"}}
-    assert direct.endpoints(c, {"tcp://a:1"}) == {"tcp://a:1": ("a", 1, b"k1")}
-    assert direct.endpoints(c, {"tcp://a:1"}) == {"tcp://a:1": ("a", 1, b"k1")}
-    assert c.asked == [["tcp://a:1"]]                                 # cached
-    cluster._LATEST[c] = {"tcp://a:1": {"id": "worker-1b"}}           # restarted, same port
-    c.answer = {"tcp://a:1": ("a", 1, b"k2")}
-    assert direct.endpoints(c, {"tcp://a:1"}) == {"tcp://a:1": ("a", 1, b"k2")}
-    assert direct.endpoints(c, {"tcp://b:1"}) == {"tcp://b:1": None}  # no channel (yet)
-    monkeypatch.setattr(direct, "ASK_AGAIN_AFTER", 0.0)
-    c.answer["tcp://b:1"] = ("b", 1, b"k3")
-    assert direct.endpoints(c, {"tcp://b:1"}) == {"tcp://b:1": ("b", 1, b"k3")}
-    assert c.asked == [["tcp://a:1"], ["tcp://a:1"], ["tcp://b:1"], ["tcp://b:1"]]
+def _send_many(n: int, to: str, dask_worker: Any) -> None:
+    rt = dask_worker.extensions["dagdiff"]
+    for i in range(n):
+        rt.transport.send(to, Value("r-order", f"k{i}", 1, pack(np.full(3, i))),
+                          lambda e: None)
+
+
+def _received(run: str, dask_worker: Any) -> tuple[list[str], dict[str, str]]:
+    st = dask_worker.extensions["dagdiff"]._runs.get(run)
+    if st is None:
+        return [], {}
+    return list(st.values), dict(st.errors)
+
+
+def _until(fn: Any, within: float = 20.0) -> Any:
+    deadline = time.time() + within
+    while True:
+        got = fn()
+        if got or time.time() > deadline:
+            return got
+        time.sleep(0.05)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("where", ["tcp", "inproc"])
+def test_messages_arrive_in_order(where: str, request: Any) -> None:
+    client = request.getfixturevalue("client2" if where == "tcp" else "inproc")
+    a0, a1 = _addresses(client)
+    client.run(_send_many, 300, a1, workers=[a0])
+    got = _until(lambda: len(client.run(_received, "r-order", workers=[a1])[a1][0]) == 300
+                 and client.run(_received, "r-order", workers=[a1])[a1][0])
+    assert got == [f"k{i}" for i in range(300)]
+
+
+class _Unpicklable:
+    """Pickles fine, fails to unpickle (a class the receiver cannot rebuild)."""
+
+    def __reduce__(self) -> Any:
+        return (_refuse, ())
+
+
+def _refuse() -> Any:
+    raise RuntimeError("cannot rebuild this here")
+
+
+def _send_bad_then_good(to: str, dask_worker: Any) -> None:
+    rt = dask_worker.extensions["dagdiff"]
+    rt.transport.send(to, Value("r-bad", "bad", 1, pack(_Unpicklable())), lambda e: None)
+    rt.transport.send(to, Value("r-bad", "good", 1, pack(np.ones(2))), lambda e: None)
+
+
+@pytest.mark.distributed
+def test_a_value_that_does_not_deserialize_arrives_as_an_error(client2: Any) -> None:
+    a0, a1 = _addresses(client2)
+    client2.run(_send_bad_then_good, a1, workers=[a0])
+    values, errors = _until(lambda: (lambda v: v if v[0] else None)(
+        client2.run(_received, "r-bad", workers=[a1])[a1]))
+    assert values == ["good"]                        # the stream went on
+    assert "the value of bad could not be received on" in errors["bad"]
+    assert "cannot rebuild this here" in errors["bad"]
+
+
+async def _send_to_dead(to: str, dask_worker: Any) -> Any:
+    import asyncio
+
+    rt = dask_worker.extensions["dagdiff"]
+    got: asyncio.Future = asyncio.get_running_loop().create_future()
+    t0 = time.perf_counter()
+    rt.transport.send(to, Value("r-dead", "k", 1, pack(1)), got.set_result)
+    err = await asyncio.wait_for(got, 60)
+    return (None if err is None else type(err).__name__), time.perf_counter() - t0
+
+
+@pytest.mark.distributed
+def test_a_send_to_a_worker_that_is_gone_fails_in_bounded_time(client2: Any) -> None:
+    with socket_closed_port() as port:
+        pass
+    a0, _ = _addresses(client2)
+    (err, took), = client2.run(_send_to_dead, f"tcp://127.0.0.1:{port}",
+                               workers=[a0]).values()
+    assert err is not None                           # reported to the sender
+    assert took < 15                                 # the connect deadline (10 s)
+
+
+def _listening_ports(dask_worker: Any) -> tuple[list[int], list[int]]:
+    """(ports this worker process listens on, ports Dask's own servers listen on)."""
+    import psutil
+
+    mine = sorted({c.laddr.port for c in psutil.Process().net_connections(kind="inet")
+                   if c.status == psutil.CONN_LISTEN})
+    own = {int(dask_worker.address.rsplit(":", 1)[1])}
+    http = getattr(dask_worker, "http_server", None)
+    for sock in getattr(http, "_sockets", {}).values():
+        own.add(sock.getsockname()[1])
+    return mine, sorted(own)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_pipelines_run_direct_on_a_tls_cluster_and_open_no_port_of_their_own() -> None:
+    """security=True (distributed's temporary self-signed credentials): the step runs
+    with direct dispatch, its values travel over the cluster's TLS comms, equals jax,
+    and the workers listen on Dask's ports only."""
+    from distributed import Client
+
+    cluster = dd.local_cluster(n_workers=2, dashboard_address=None, quiet=True,
+                               security=True)
+    client = Client(cluster, set_as_default=False)
+    try:
+        assert all(a.startswith("tls://") for a in client.scheduler_info()["workers"])
+        loss_fn = make_loss(2)
+        params, x, t = data(2)
+        with client.as_current():
+            for schedule in ("1f1b", "zb-h1"):
+                loss, grads = dd.value_and_grad(loss_fn, microbatches=4, schedule=schedule)(
+                    params, x, t)
+                funcs = {getattr(v, "func", None) for v in dict(loss.__dask_graph__()).values()}
+                assert run_program in funcs
+                got_l, got_g = client.compute([loss, grads], sync=True)
+                assert_matches_jax(loss_fn, (params, x, t), got_l, got_g)
+        for addr, (mine, own) in client.run(_listening_ports).items():
+            assert set(mine) <= set(own), (addr, mine, own)
+    finally:
+        client.close()
+        cluster.close()
+
+
+def test_in_process_workers_use_direct_dispatch(inproc: Any) -> None:
+    """processes=False: workers talk inproc://; programs send through the same comms."""
+    loss_fn = make_loss(2)
+    params, x, t = data(2)
+    with inproc.as_current():
+        for schedule in ("1f1b", "gpipe"):
+            loss, grads = dd.value_and_grad(loss_fn, microbatches=4, schedule=schedule)(
+                params, x, t)
+            got_l, got_g = inproc.compute([loss, grads], sync=True)
+            funcs = {getattr(v, "func", None) for v in dict(loss.__dask_graph__()).values()}
+            assert run_program in funcs
+            assert_matches_jax(loss_fn, (params, x, t), got_l, got_g)
+
+
+def _identity(v: Any) -> Any:
+    return v
 
 
 @contextlib.contextmanager
@@ -628,31 +641,6 @@ def test_trainer_steps_in_flight_with_dropped_losses_match_scheduler_dispatch(
     close(final["direct"], final["scheduler"])
 
 
-@pytest.mark.distributed
-@pytest.mark.timeout(120)
-def test_in_process_workers_fall_back_to_scheduler_dispatch() -> None:
-    """processes=False: workers talk inproc:// and have no TCP channel, so pipelines use
-    scheduler dispatch (and stay correct)."""
-    from distributed import Client
-
-    cluster = dd.local_cluster(n_workers=2, dashboard_address=None, quiet=True,
-                               processes=False)
-    client = Client(cluster, set_as_default=False)
-    try:
-        loss_fn = make_loss(2)
-        params, x, t = data(2)
-        with client.as_current():
-            loss, grads = dd.value_and_grad(loss_fn, microbatches=4, schedule="1f1b")(
-                params, x, t)
-            got_l, got_g = client.compute([loss, grads], sync=True)
-        funcs = {getattr(v, "func", None) for v in dict(loss.__dask_graph__()).values()}
-        assert run_program not in funcs
-        assert_matches_jax(loss_fn, (params, x, t), got_l, got_g)
-    finally:
-        client.close()
-        cluster.close()
-
-
 def assert_matches_jax(fn: Any, args: tuple[Any, ...], got_l: Any, got_g: Any) -> None:
     """Loss and grads equal `jax.value_and_grad(fn)(*args)`."""
     want_l, want_g = jax.value_and_grad(fn)(*args)
@@ -715,7 +703,6 @@ def test_a_worker_lost_mid_step_fails_the_step_in_seconds() -> None:
 def test_only_the_leaves_a_remote_worker_reads_are_sent() -> None:
     """A VJP result holds the weight gradients (read by the stage's accumulator) and
     the input cotangent (read by the previous stage); only the latter travels."""
-    from dagdiff import direct
     from dagdiff.tasks import leaves_read
 
     loss_fn = make_loss(2)
@@ -729,10 +716,10 @@ def test_only_the_leaves_a_remote_worker_reads_are_sent() -> None:
     assert read0 is not None and len(read0) == 1
     value = tuple(jnp.full((2, 2), float(i)) for i in range(3))
     (i,) = read0
-    wire = direct._wire(value, read0)
+    wire = pack(value, read0)["items"]
     assert [w is None for w in wire] == [j != i for j in range(3)]
-    np.testing.assert_array_equal(wire[i], np.full((2, 2), float(i)))
-    assert all(w is not None for w in direct._wire(value, None))
+    np.testing.assert_array_equal(wire[i]["v"].data, np.full((2, 2), float(i)))
+    assert all(w is not None for w in pack(value, None)["items"])
 
 
 def _fragile_fwd(w: Any, x: Any) -> Any:

@@ -1,0 +1,143 @@
+"""A step can be computed again: the usage patterns of a researcher's notebook (a loop
+holding the previous futures, the same Delayed twice, a re-run cell, steps in flight,
+Trainer branches), for every schedule and both dispatch modes, against jax."""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterator
+
+import dask
+import jax
+import numpy as np
+import optax
+import pytest
+from distributed import wait
+
+import dagdiff as dd
+from tests.test_pipeline import close, data, make_loss
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+
+SCHEDULES = ["1f1b", "gpipe", "zb-h1"]
+DISPATCH = ["direct", "scheduler"]
+
+
+@pytest.fixture
+def no_run_spec_warning(caplog: Any) -> Iterator[None]:
+    """Fails the test if the scheduler saw a key with two different computations (the
+    scheduler runs in this process: dd.local_cluster's scheduler logs here)."""
+    caplog.set_level(logging.WARNING, logger="distributed.scheduler")
+    yield
+    bad = [r.getMessage() for r in caplog.records if "different run_spec" in r.getMessage()]
+    assert not bad, bad[:2]
+
+
+def _check(got: Any, fn: Callable[..., Any], params: Any, x: Any, t: Any) -> None:
+    want_l, want_g = jax.value_and_grad(fn)(params, x, t)
+    np.testing.assert_allclose(np.asarray(got[0]), want_l, rtol=1e-5)
+    close(got[1], want_g)
+
+
+def _step(schedule: str, dispatch: str) -> Any:
+    return dd.value_and_grad(make_loss(2), microbatches=4, schedule=schedule,
+                             dispatch=dispatch)
+
+
+@pytest.mark.parametrize("dispatch", DISPATCH)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_loop_holding_the_previous_futures(client2: Any, schedule: str, dispatch: str,
+                                             no_run_spec_warning: None) -> None:
+    params, x, t = data(2)
+    step = _step(schedule, dispatch)
+    futs = None
+    with client2.as_current():
+        for i in range(3):
+            xi = x + 0.25 * i
+            loss, grads = step(params, xi, t)
+            futs = client2.compute([loss, grads])       # the previous futs still referenced
+            wait(futs, timeout=120)
+            _check(client2.gather(futs), make_loss(2), params, xi, t)
+        for i in range(2):                               # the same batch again, futs held
+            loss, grads = step(params, x, t)
+            futs = client2.compute([loss, grads])
+            _check(client2.gather(futs, ), make_loss(2), params, x, t)
+    del futs
+
+
+@pytest.mark.parametrize("dispatch", DISPATCH)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_the_same_delayed_computed_twice(client2: Any, schedule: str, dispatch: str,
+                                         no_run_spec_warning: None) -> None:
+    params, x, t = data(2)
+    with client2.as_current():
+        loss, grads = _step(schedule, dispatch)(params, x, t)
+        first = client2.compute([loss, grads], sync=True)   # futures released after
+        second = client2.compute([loss, grads], sync=True)  # so the programs run again
+        held = client2.compute([loss, grads])
+        third = client2.compute([loss, grads], sync=True)   # the first futures still held
+        fourth = dask.compute(loss, grads)                   # dask.compute under as_current
+        wait(held)
+    for got in (first, second, third, list(fourth), client2.gather(held)):
+        _check(got, make_loss(2), params, x, t)
+
+
+@pytest.mark.parametrize("dispatch", DISPATCH)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_notebook_cell_run_again(client2: Any, schedule: str, dispatch: str,
+                                   no_run_spec_warning: None) -> None:
+    params, x, t = data(2)
+    kept = []
+    for _ in range(3):                  # the whole cell: build the step, compute, keep
+        with client2.as_current():
+            loss, grads = _step(schedule, dispatch)(params, x, t)
+            futs = client2.compute([loss, grads])
+            kept.append(futs)
+            _check(client2.gather(futs), make_loss(2), params, x, t)
+
+
+@pytest.mark.parametrize("dispatch", DISPATCH)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_steps_in_flight_together(client2: Any, schedule: str, dispatch: str,
+                                  no_run_spec_warning: None) -> None:
+    params, x, t = data(2)
+    step = _step(schedule, dispatch)
+    xs = [x, x + 1.0, x, x - 0.5]       # two of them the same step
+    with client2.as_current():
+        built = [step(params, xi, t) for xi in xs]
+        futs = [client2.compute(list(b)) for b in built]  # all submitted before any ends
+        again = client2.compute(list(built[0]))
+        for xi, f in zip(xs, futs):
+            _check(client2.gather(f), make_loss(2), params, xi, t)
+        _check(client2.gather(again), make_loss(2), params, x, t)
+
+
+@pytest.mark.parametrize("dispatch", DISPATCH)
+def test_trainer_steps_twice_from_one_state(client2: Any, dispatch: str,
+                                            no_run_spec_warning: None) -> None:
+    """Two branches from one state (the same batch twice, and another batch) and the
+    same step again: each equals plain optax on jax.grad."""
+    loss_fn = make_loss(2)
+    params, x, t = data(2)
+    opt = optax.sgd(0.1)
+    tr = dd.Trainer(loss_fn, opt, microbatches=4, schedule="1f1b", client=client2,
+                    dispatch=dispatch)
+    s0 = tr.init(params)
+    a, la = tr.step(s0, x, t)
+    b, lb = tr.step(s0, x, t)
+    c, lc = tr.step(s0, x + 1.0, t)
+    a2, _ = tr.step(a, x, t)
+    b2, _ = tr.step(b, x, t)
+
+    def ref(p: Any, xb: Any) -> Any:
+        g = jax.grad(loss_fn)(p, xb, t)
+        upd, _ = opt.update(g, opt.init(p), p)
+        return optax.apply_updates(p, upd)
+
+    one = ref(params, x)
+    close(tr.params(a), one)
+    close(tr.params(b), one)
+    close(tr.params(c), ref(params, x + 1.0))
+    close(tr.params(a2), tr.params(b2))
+    np.testing.assert_allclose(float(la.result()), float(lb.result()), rtol=1e-6)
+    np.testing.assert_allclose(float(lc.result()), float(loss_fn(params, x + 1.0, t)),
+                               rtol=1e-5)
