@@ -293,9 +293,18 @@ class DirectRuntime:
                 if t >= next_probe:
                     st.cond.release()
                     try:
-                        self._probe(prog, run, a, key, src)
+                        state = self._probe(prog, run, a, f"input {key}", src)
                     finally:
                         st.cond.acquire()
+                    if state in ("ended", "failed") and key not in st.values \
+                            and key not in st.errors:
+                        # its program is over, and it could not have ended before this
+                        # program's end mark without sending the value: Dask ran this
+                        # program again alone (e.g. on a restarted worker)
+                        raise DirectDispatchError(
+                            f"{a.key} on {prog.where} waits for input {key} from {src} at "
+                            f"{prog.address_of(src)}, whose program of this run already "
+                            f"{state} without sending it. Compute the step again.")
                     next_probe = time.monotonic() + PROBE_EVERY
                     continue
                 st.cond.wait(min(left, next_probe - t, 1.0))
@@ -307,31 +316,24 @@ class DirectRuntime:
                 del st.values[key]
             return value[0]
 
-    def _probe(self, prog: Program, run: str, a: Action, key: str, src: str) -> None:
-        """Raise if the worker that produces `key` is gone or no longer runs this run."""
+    def _probe(self, prog: Program, run: str, a: Action, what: str, src: str) -> str:
+        """Ask the worker that produces `what` about this run: its state ("running",
+        "ended", "failed", "unknown"), or "busy" when it is slow to answer; raise if
+        nothing listens at its address any more (the worker was lost)."""
         address = prog.address_of(src)
         fut = asyncio.run_coroutine_threadsafe(_ask_status(self.worker, address, run),
                                                self.worker.loop.asyncio_loop)
         try:
-            state = fut.result(PROBE_CONNECT_TIMEOUT + 2)
+            return str(fut.result(PROBE_CONNECT_TIMEOUT + 2))
         except Exception as e:                      # noqa: BLE001 - gone, or too busy
             if not _gone(e):
                 fut.cancel()
-                return                              # busy (slow to answer): ask later
+                return "busy"                       # slow to answer: ask again later
             raise DirectDispatchError(
-                f"{a.key} on {prog.where} waits for input {key} from {src} at {address}, "
+                f"{a.key} on {prog.where} waits for {what} from {src} at {address}, "
                 f"where nothing listens any more ({_chain(e)}): the worker was lost or "
                 "restarted mid-step. Compute the step again; dispatch='scheduler' "
                 "recomputes lost work instead.") from None
-        if state in ("ended", "failed"):
-            with st_lock(self, run) as st:
-                if st is not None and (key in st.values or key in st.errors):
-                    return
-            raise DirectDispatchError(
-                f"{a.key} on {prog.where} waits for input {key} from {src} at {address}, "
-                f"whose program of this run already {state} without sending it (Dask ran "
-                "this program again alone, e.g. on a restarted worker). Compute the step "
-                "again.")
 
     # --- messages out -----------------------------------------------------------------------
     def _send(self, st: _Run, run: str, target: tuple[str, str], msg: Message,
@@ -447,12 +449,20 @@ class DirectRuntime:
                 if t >= next_probe:
                     st.cond.release()
                     try:
-                        self._probe(prog, run, a, f"the end of {where}'s program", where)
+                        state = self._probe(prog, run, a, "the end of its program", where)
                     except DirectDispatchError:
-                        if where not in st.ends:
-                            raise
+                        state = "gone"
                     finally:
                         st.cond.acquire()
+                    if where in st.ends:
+                        break
+                    if state == "gone":
+                        raise DirectDispatchError(
+                            f"{prog.key} on {prog.where}: {where} at "
+                            f"{prog.address_of(where)} went away before it told how its "
+                            "part of the step ended (the worker was lost or restarted "
+                            "mid-step). Compute the step again.")
+                    # "ended"/"failed": its end mark was written before, and is on its way
                     next_probe = time.monotonic() + PROBE_EVERY
                     continue
                 st.cond.wait(min(deadline - t, next_probe - t, 1.0))
@@ -485,23 +495,6 @@ class DirectRuntime:
         from distributed.metrics import time as now
 
         self.starts.append((key, now()))
-
-
-class st_lock:
-    """``with st_lock(rt, run) as st``: the run's state (or None) with its lock held."""
-
-    def __init__(self, rt: DirectRuntime, run: str) -> None:
-        with rt._lock:
-            self.st = rt._runs.get(run)
-
-    def __enter__(self) -> _Run | None:
-        if self.st is not None:
-            self.st.cond.acquire()
-        return self.st
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.st is not None:
-            self.st.cond.release()
 
 
 async def _ask_status(worker: Any, address: str, run: str) -> str:
