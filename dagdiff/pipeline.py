@@ -15,6 +15,7 @@ from .taskspec import DataNode, Task, TaskRef
 from .errors import MicrobatchError, PlacementError
 from .keys import key_info, make_key
 from .lower import Lowered
+from .dag import CycleError, topological
 from .schedules import Schedule, ScheduleError, get_schedule, simulate
 from .tasks import acc_task, mean_task, select_task, slice_task
 
@@ -221,22 +222,11 @@ def _check_acyclic(dsk: Mapping[str, Any], trace: Any, schedule: Schedule) -> No
     """Raise ScheduleError when the schedule's ordering edges close a cycle with the data
     edges (e.g. a model that comes back to an earlier stage: under 1F1B that stage's
     backward would have to wait for a forward that waits for it)."""
-    indeg = {k: 0 for k in dsk}
-    users: dict[str, list[str]] = defaultdict(list)
-    for k, t in dsk.items():
-        for d in getattr(t, "dependencies", ()):
-            if d in indeg:
-                indeg[k] += 1
-                users[d].append(k)
-    ready = [k for k, n in indeg.items() if n == 0]
-    while ready:
-        for u in users[ready.pop()]:
-            indeg[u] -= 1
-            if indeg[u] == 0:
-                ready.append(u)
-    stuck = {k for k, n in indeg.items() if n > 0}
-    if not stuck:
+    try:
+        topological({k: getattr(t, "dependencies", ()) for k, t in dsk.items()})
         return
+    except CycleError as e:
+        stuck = set(e.stuck)
     cycle = _a_cycle(dsk, stuck)
     steps = " -> ".join(_describe_key(k) for k in cycle[:8]) + (" ..." if len(cycle) > 8 else "")
     back = [f"{n.name!r} on stage {n.stage} reads {trace.nodes[x.node].name!r} on stage "

@@ -55,6 +55,44 @@ def test_linearize_rejects_an_order_that_would_deadlock() -> None:
     assert "w0 at B0" in str(e.value)
 
 
+def test_plan_programs_is_pure_and_sends_only_what_is_read() -> None:
+    """The planning module takes plain dicts (no Dask): two workers, one microbatch."""
+    from dagdiff.direct.plan import Consumers, plan_programs
+
+    deps = {"x": [], "F0": ["x"], "F1": ["F0"], "B1": ["F1"], "B0": ["B1", "F0"],
+            "acc0": ["B0"], "loss": ["F1"]}
+    where = {"F0": "w0", "B0": "w0", "acc0": "w0", "F1": "w1", "B1": "w1", "x": None,
+             "loss": "w1"}
+    reads = {"B0": {"B1": frozenset({0}), "F0": None}, "F1": {"F0": None},
+             "B1": {"F1": None}, "acc0": {"B0": None}}
+    plan = plan_programs(deps, set(deps) - {"x"}, where, {"F0": 2, "B0": 1, "F1": 2, "B1": 1},
+                         keep={"loss"}, outputs={"acc0"}, reads=reads)
+    w0, w1 = plan.programs
+    assert [a.key for a in w0.actions] == ["F0", "B0", "acc0"]
+    assert [a.key for a in w1.actions] == ["F1", "B1"]
+    assert w0.statics == ("x",)
+    b1 = w1.actions[1]
+    assert b1.remote == (Consumers("w0", 1, frozenset({0})),)   # one leaf travels
+    assert w1.actions[0].export                                  # read by the loss task
+    assert w0.actions[2].export and not w0.actions[0].export
+    assert plan.direct == frozenset({"F0", "B0", "acc0", "F1", "B1"})
+
+
+def test_the_planning_modules_import_nothing_from_dask_or_jax() -> None:
+    import ast
+    import pathlib
+
+    import dagdiff
+
+    root = pathlib.Path(dagdiff.__file__).parent
+    for rel in ("direct/plan.py", "dag.py", "errors.py"):
+        tree = ast.parse((root / rel).read_text())
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                  and n.level == 0}
+        assert not {m.split(".")[0] for m in names} & {"dask", "distributed", "jax"}, rel
+
+
 class BackwardFirst(dd.Schedule):
     """A broken user schedule: the last stage lists its backwards before its forwards."""
 

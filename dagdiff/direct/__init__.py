@@ -21,10 +21,10 @@ from __future__ import annotations
 
 from ..errors import DirectDispatchError, UpstreamError
 from .graph import RESOURCE_SHARE, DirectGraph, rewrite
-from .plan import linearize, plan_programs, topological
+from .plan import linearize, plan_programs
 from .runtime import (EXTENSION, Action, DirectRuntime, Program, compute_log, install,
                       run_program)
 
 __all__ = ["DirectDispatchError", "UpstreamError", "RESOURCE_SHARE", "DirectGraph",
-           "rewrite", "linearize", "plan_programs", "topological", "EXTENSION", "Action",
+           "rewrite", "linearize", "plan_programs", "EXTENSION", "Action",
            "DirectRuntime", "Program", "compute_log", "install", "run_program"]

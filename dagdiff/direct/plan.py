@@ -5,10 +5,10 @@ import collections
 import dataclasses
 from typing import Collection, Mapping
 
+from ..dag import topological
 from ..errors import DirectDispatchError
 
-__all__ = ["Consumers", "PlannedAction", "ProgramPlan", "Plan", "plan_programs",
-           "topological", "linearize"]
+__all__ = ["Consumers", "PlannedAction", "ProgramPlan", "Plan", "plan_programs", "linearize"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,31 +114,6 @@ def _leaves(key: str, consumers: list[str],
             return None
         out |= got
     return frozenset(out)
-
-
-def topological(deps: Mapping[str, Collection[str]]) -> list[str]:
-    """The keys of `deps` (key -> dependencies) with each after its dependencies
-    (dependencies outside `deps` are ignored); ties keep the mapping's order."""
-    indeg = {k: 0 for k in deps}
-    users: dict[str, list[str]] = collections.defaultdict(list)
-    for k, ds in deps.items():
-        for d in ds:
-            if d in indeg:
-                indeg[k] += 1
-                users[d].append(k)
-    ready = collections.deque(k for k, n in indeg.items() if n == 0)
-    out = []
-    while ready:
-        k = ready.popleft()
-        out.append(k)
-        for u in users[k]:
-            indeg[u] -= 1
-            if indeg[u] == 0:
-                ready.append(u)
-    if len(out) < len(indeg):
-        stuck = sorted(k for k, n in indeg.items() if n)[:4]
-        raise DirectDispatchError(f"the task graph has a cycle through {', '.join(stuck)}")
-    return out
 
 
 def linearize(deps: Mapping[str, list[str]], worker_of: Mapping[str, str],
