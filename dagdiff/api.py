@@ -315,7 +315,8 @@ def _pipelined(fn: Callable[..., Any], fname: str, argnums: Any, has_aux: bool, 
         targets, inputs, home = place(trace, client, placement, resident)
         mode = resolve_dispatch(dispatch, client, targets)   # part of the keys: the two
         token = token[:8] + tokenize(*full.values(), mode,   # modes' tasks differ
-                                     input_keys(inputs), ensure_deterministic=False)[:8]
+                                     input_keys(inputs), program_homes(mode, targets),
+                                     ensure_deterministic=False)[:8]
         pg = lower_pipeline(trace, plan, token, m, sched, full, axis, inputs, home, loss, aux,
                             dict(targets.of) if targets.kind == "devices" else None)
         keys = (OutKey(pg.loss_key),
@@ -433,6 +434,14 @@ def _direct_graph(dsk: dict[str, Any], stage_of: Mapping[str, int | None], targe
     name = f"dagdiff-{token}"
     layer = MaterializedLayer(plan.dsk, annotations=annotations)
     return HighLevelGraph({name: layer}, {name: set()})
+
+
+def program_homes(mode: str, targets: Any) -> tuple[Any, ...]:
+    """Direct dispatch: the worker addresses a step's programs are built for (part of its
+    token: after a worker was replaced, the step built again gets new keys)."""
+    if mode != "direct":
+        return ()
+    return tuple(sorted((str(k), str(v)) for k, v in targets.addresses.items()))
 
 
 def input_keys(inputs: Mapping[int, Any]) -> tuple[str, ...]:

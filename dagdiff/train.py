@@ -22,7 +22,7 @@ import numpy as np
 from .taskspec import DataNode, Task, TaskRef
 
 from .api import (OutKey, _argnames, _argnums, _check_loss, build_graph, check_dispatch,
-                  current_client, prepare, resolve_dispatch, to_delayed,
+                  current_client, prepare, program_homes, resolve_dispatch, to_delayed,
                   trace_call)
 from .backward import build_backward
 from .errors import ArgumentError, MicrobatchError
@@ -278,7 +278,8 @@ class Trainer:
         # (their Futures' keys) on this batch's content, so a step from another state or
         # on another batch never shares keys with this one, and the same step again does
         token = trace_token(model.trace, ("step", state.step, self._uid,
-                                          _state_identity(state), _batch_token(batch)))
+                                          _state_identity(state), _batch_token(batch),
+                                          program_homes("direct" if direct else "", targets)))
         dsk: dict[str, Any] = {}
         stage_of: dict[str, int | None] = {}
         priority: dict[str, int] = {}

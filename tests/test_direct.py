@@ -699,7 +699,8 @@ def _exit_process() -> None:
 def test_a_worker_lost_mid_step_fails_the_step_in_seconds() -> None:
     """The worker of stage 1 dies while the step runs: its program is not run again on
     the replacement, stage 0 notices that its producer is gone, and the caller gets a
-    DirectDispatchError long before the 600 s wait timeout; the next step runs.
+    DirectDispatchError long before the 600 s wait timeout; the same step built again
+    computes, and so does the next one.
     (resident=False: with parameters scattered to the lost worker Dask itself cancels
     the step at once, "lost scattered data".)"""
     from distributed import Client
@@ -727,6 +728,11 @@ def test_a_worker_lost_mid_step_fails_the_step_in_seconds() -> None:
             assert time.perf_counter() - t0 < 60
             del futures
             client.wait_for_workers(2, timeout=60)
+            # the same step, built again for the new worker set (new keys), computes
+            loss, grads = dd.value_and_grad(fn, microbatches=4, schedule="1f1b",
+                                            resident=False)(params, jnp.ones((4, 4)))
+            got_l, got_g = client.compute([loss, grads], sync=True)
+            assert_matches_jax(fn, (params, jnp.ones((4, 4))), got_l, got_g)
             p2 = [jnp.float32(2.0)] * 2
             fast = sleepy_pipeline(2, 0.0)
             loss, grads = dd.value_and_grad(fast, microbatches=4, schedule="1f1b")(
