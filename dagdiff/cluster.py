@@ -13,15 +13,26 @@ import weakref
 from typing import Any
 
 __all__ = ["local_cluster", "gpu_count", "slot_names", "workers_info", "latest_workers_info",
-           "CPU_WORKER_ENV"]
+           "CPU_WORKER_ENV", "WORKER_MALLOC_ENV"]
 
-#: keeps XLA's CPU thread pool at one thread per single-threaded worker (no oversubscription)
+#: single-threaded BLAS/OpenMP in CPU workers. No XLA_FLAGS: the usual
+#: ``--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1`` does not make XLA
+#: single-threaded (a stage's forward 5.3 ms with and without it, 8.2 ms pinned to one core)
+#: and two workers without it were as fast or up to 10% faster (benchmarks/bench_peers.py)
 CPU_WORKER_ENV = {
-    "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
     "OMP_NUM_THREADS": "1",
     "OPENBLAS_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
 }
+#: glibc malloc settings a nanny gives its worker process before it starts (the moment
+#: glibc reads them). distributed starts workers with MALLOC_TRIM_THRESHOLD_=65536
+#: (``distributed.nanny.pre-spawn-environ``); any explicit trim threshold switches off
+#: glibc's dynamic mmap threshold, so every large buffer XLA allocates is a fresh mmap
+#: with its page faults: dagdiff's 1F1B step on 2 workers took 1.2 s instead of 0.55 s.
+#: A 64 MiB top pad beside it gives the speed back and keeps distributed's trimming
+#: (worker RSS ~0.5 GB instead of ~0.33 GB on that job; removing the threshold instead
+#: cost ~0.6-0.7 GB).
+WORKER_MALLOC_ENV = {"MALLOC_TOP_PAD_": str(64 << 20)}
 #: a GPU worker's JAX must not take 75% of the card up front
 GPU_WORKER_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"}
 
@@ -45,20 +56,44 @@ def _slotted(base: type) -> type:
 
         def new_worker_spec(self) -> dict[Any, Any]:
             spec = {}
+            from distributed import Nanny
+
             for name, d in super().new_worker_spec().items():  # d is shared: copy it
                 opts = dict(d["options"])
                 opts["resources"] = {**(opts.get("resources") or {}), f"slot{name}": 1}
-                nanny = getattr(d.get("cls"), "__name__", "") == "Nanny"
+                cls = d.get("cls")
+                nanny = isinstance(cls, type) and issubclass(cls, Nanny)
                 if self.dagdiff_worker_config and nanny:  # its config replaces the worker's
                     import dask
 
                     opts["config"] = dask.config.merge(dask.config.config,
                                                        self.dagdiff_worker_config)
                 spec[name] = {**d, "options": opts}
+                if nanny:
+                    spec[name]["cls"] = _malloc_nanny(cls)
             return spec
 
     SlottedCluster.__name__ = f"Slotted{base.__name__}"
     return SlottedCluster
+
+
+_NANNIES: dict[type, type] = {}
+
+
+def _malloc_nanny(base: type) -> type:
+    """`base` (a Nanny class) starting its worker with `WORKER_MALLOC_ENV` added to the
+    pre-spawn environment (kept for every restart of that worker)."""
+    if base.__name__.startswith("Dagdiff"):
+        return base
+    cls = _NANNIES.get(base)
+    if cls is None:
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            base.__init__(self, *args, **kwargs)
+            self.pre_spawn_env.update(WORKER_MALLOC_ENV)
+
+        cls = _NANNIES[base] = type(f"Dagdiff{base.__name__}", (base,),
+                                    {"__init__": __init__, "__doc__": _malloc_nanny.__doc__})
+    return cls
 
 
 def local_cluster(
@@ -76,8 +111,9 @@ def local_cluster(
 
     On a machine with GPUs (and dask-cuda installed), one worker per GPU whose JAX sees
     only its own GPU and does not preallocate the card; otherwise `n_workers`
-    (default: the number of cores) single-threaded worker processes with XLA limited
-    to one intra-op thread each. Worker i has the resource ``slot<i>`` (see module
+    (default: the number of cores) single-threaded worker processes. Worker processes
+    start with `WORKER_MALLOC_ENV` (glibc's top pad; see there: without it XLA's CPU
+    kernels ran 2x slower under distributed's malloc trim threshold). Worker i has the resource ``slot<i>`` (see module
     docstring). Extra keyword arguments go to the cluster class. Prints the dashboard
     link unless `quiet`.
 

@@ -1,0 +1,431 @@
+"""dagdiff against its peers on real compute: the same pipelined job on each, one after the
+other in one invocation, with the median step time of each and the ratios.
+
+The job: an MLP of --layers tanh layers --width wide (default 8 x 1024), batch --batch (512),
+MSE loss, 2 stages of layers/2 layers each, --microbatches (8) microbatches, gradients kept
+on the workers and only the loss returned; median of --steps (6) steps after --warmup (2).
+
+Systems (--systems, default all that are installed):
+  dagdiff        `dd.value_and_grad(loss_fn, microbatches=m, schedule=--schedule)` on
+                 `dd.local_cluster(2)` (direct dispatch); the step is trace + build + compute
+                 of the loss and every gradient leaf; the grads stay on the workers as futures
+  dagdiff-adam   `dd.Trainer(loss_fn, optax.adam(1e-3), ...)`: `trainer.step` + loss.result()
+  torch          torch.distributed.pipelining `Schedule1F1B`, 2 gloo processes
+                 (torch.multiprocessing), 1 thread each; the loss stays on the last rank
+  torch-gpipe    the same with `ScheduleGPipe`
+  torch-adam     `Schedule1F1B` + `torch.optim.Adam(lr=1e-3)` on each rank
+  jax            one process: `jax.jit(jax.value_and_grad(loss_fn))` on the whole batch
+  jax-adam       one process: jit of value_and_grad + optax adam
+Ratios printed: dagdiff / torch (1F1B and GPipe), dagdiff / jax, and the same for the adam rows.
+Worker environment of the dagdiff cluster: --malloc, the glibc malloc variables the workers
+start with: `default` = what dd.local_cluster gives them (distributed's
+MALLOC_TRIM_THRESHOLD_=65536 plus dagdiff's MALLOC_TOP_PAD_=67108864), `distributed` =
+distributed's trim threshold alone (dd.local_cluster before the fix: 2x slower steps),
+`unset` = neither; --xla: `default` = dd.local_cluster's (no XLA_FLAGS), `eigen-off` = the
+flags dagdiff used to set (--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1);
+--pin: pin worker i and all its threads to core i before the first step.
+Also prints each dagdiff worker's RSS after its steps. torch is optional
+(`pip install torch`); without it the torch rows are skipped with a message.
+Times on a shared machine are noisy: compare the ratios of one run.
+Usage: python benchmarks/bench_peers.py [--width 1024] [--batch 512] [--microbatches 8]
+       [--layers 8] [--schedule 1f1b|gpipe|zb-h1] [--steps 6] [--warmup 2]
+       [--systems dagdiff torch jax ...]
+       [--malloc default|distributed|unset] [--xla default|eigen-off] [--pin]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import socket
+import statistics
+import time
+from typing import Any, NamedTuple
+
+import numpy as np
+
+SYSTEMS = ("jax", "jax-adam", "torch", "torch-gpipe", "torch-adam", "dagdiff", "dagdiff-adam")
+TOP_PAD = "67108864"
+TRIM = "MALLOC_TRIM_THRESHOLD_"
+MALLOC_CHOICES = ("default", "distributed", "unset")
+EIGEN_OFF = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+_ENV0 = dict(os.environ)               # this process's environment before any nanny's additions
+_PRE_SPAWN: dict[str, Any] | None = None   # distributed's own pre-spawn-environ, read once
+
+
+class Cfg(NamedTuple):
+    width: int
+    batch: int
+    microbatches: int
+    layers: int
+    steps: int
+    warmup: int
+    seed: int
+
+
+class Result(NamedTuple):
+    times: list[float]      # seconds per measured step
+    loss: float             # the first step's loss (the same data and init everywhere)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+
+def make_data(cfg: Cfg) -> tuple[list[tuple[np.ndarray, np.ndarray]],
+                                 list[tuple[np.ndarray, np.ndarray]]]:
+    """(params, batches) as float32 NumPy arrays, the same for every system: params are
+    (w, b) with w (in, out) scaled by 1/sqrt(width); one fresh batch (x, t) per step."""
+    rng = np.random.default_rng(cfg.seed)
+    w = cfg.width
+    params = [((rng.standard_normal((w, w), dtype=np.float32) / np.float32(w**0.5)),
+               np.zeros(w, np.float32)) for _ in range(cfg.layers)]
+    batches = [(rng.standard_normal((cfg.batch, w), dtype=np.float32),
+                rng.standard_normal((cfg.batch, w), dtype=np.float32))
+               for _ in range(cfg.warmup + cfg.steps)]
+    return params, batches
+
+
+# ---------------------------------------------------------------------------------- JAX
+
+def _jax_loss(params: Any, x: Any, t: Any) -> Any:
+    import jax.numpy as jnp
+
+    h = x
+    for p in params:
+        h = jnp.tanh(h @ p["w"] + p["b"])
+    return jnp.mean((h - t) ** 2)
+
+
+def run_jax(cfg: Cfg, adam: bool) -> Result:
+    """One process, whole batch: jit(value_and_grad) (and optax adam when `adam`)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    params_np, batches_np = make_data(cfg)
+    params = [{"w": jnp.asarray(w), "b": jnp.asarray(b)} for w, b in params_np]
+    batches = [(jnp.asarray(x), jnp.asarray(t)) for x, t in batches_np]
+    opt = optax.adam(1e-3)
+    vg = jax.jit(jax.value_and_grad(_jax_loss))
+
+    @jax.jit
+    def train(p: Any, s: Any, x: Any, t: Any) -> Any:
+        loss, g = jax.value_and_grad(_jax_loss)(p, x, t)
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s, loss
+
+    state = opt.init(params)
+    times, first = [], float("nan")
+    for i, (x, t) in enumerate(batches):
+        t0 = time.perf_counter()
+        if adam:
+            params, state, loss = train(params, state, x, t)
+            jax.block_until_ready((params, loss))
+        else:
+            loss, grads = vg(params, x, t)
+            jax.block_until_ready((loss, grads))
+        dt = time.perf_counter() - t0
+        if i == 0:
+            first = float(loss)
+        if i >= cfg.warmup:
+            times.append(dt)
+    return Result(times, first)
+
+
+# -------------------------------------------------------------------------------- torch
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _torch_rank(rank: int, world: int, port: int, cfg: Cfg, schedule: str, adam: bool,
+                out: Any) -> None:
+    """One pipeline stage (rank) of torch.distributed.pipelining on gloo, 1 thread."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        params_np, batches_np = make_data(cfg)
+        per = cfg.layers // world
+        mods: list[Any] = []
+        for w, b in params_np[rank * per:(rank + 1) * per]:
+            lin = torch.nn.Linear(cfg.width, cfg.width)
+            with torch.no_grad():
+                lin.weight.copy_(torch.from_numpy(w.T.copy()))   # torch computes x @ W.T
+                lin.bias.copy_(torch.from_numpy(b))
+            mods += [lin, torch.nn.Tanh()]
+        model = torch.nn.Sequential(*mods)
+        stage = PipelineStage(model, rank, world, torch.device("cpu"))
+        cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
+        sched = cls(stage, n_microbatches=cfg.microbatches,
+                    loss_fn=torch.nn.functional.mse_loss)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3) if adam else None
+        last = rank == world - 1
+        times, first = [], float("nan")
+        for i, (x, t) in enumerate(batches_np):
+            xs, ts = torch.from_numpy(x), torch.from_numpy(t)
+            losses: list[Any] = []
+            dist.barrier()
+            t0 = time.perf_counter()
+            model.zero_grad(set_to_none=True)
+            if rank == 0:
+                sched.step(xs)
+            elif last:
+                sched.step(target=ts, losses=losses, return_outputs=False)
+            else:
+                sched.step()
+            if opt is not None:
+                opt.step()
+            if last:
+                loss = torch.stack(losses).mean().item()    # what a driver would read
+            dist.barrier()                                   # every rank is done
+            dt = time.perf_counter() - t0
+            if last and i == 0:
+                first = loss
+            if i >= cfg.warmup:
+                times.append(dt)
+        out.put((rank, times, first))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_torch(cfg: Cfg, schedule: str, adam: bool, env: dict[str, str]) -> Result:
+    """2 spawned processes (torch.multiprocessing), one pipeline stage each; `env` is the
+    environment they start with (the caller's original one)."""
+    import torch.multiprocessing as mp
+
+    world = 2
+    ctx = mp.get_context("spawn")
+    q = ctx.SimpleQueue()
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update({**env, "OMP_NUM_THREADS": "1"})
+    try:
+        mp.start_processes(_torch_rank, args=(world, _free_port(), cfg, schedule, adam, q),
+                           nprocs=world, join=True, start_method="spawn")
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    got = dict((r, (ts, loss)) for r, ts, loss in (q.get() for _ in range(world)))
+    # every rank timed barrier-to-barrier: rank 0's step times, the last rank's loss
+    return Result(got[0][0], got[world - 1][1])
+
+
+# ------------------------------------------------------------------------------ dagdiff
+
+def _dd_loss(params: Any, x: Any, t: Any) -> Any:
+    import dagdiff as dd
+    from common import dense, mse
+
+    h = x
+    for i, p in enumerate(params):
+        with dd.stage(i * 2 // len(params)):
+            h = dense(p, h)
+    with dd.stage(1):
+        return mse(h, t)
+
+
+def _pin_all_threads(i: int) -> list[int]:
+    """Pin every thread of this process (and threads it starts later) to core i mod n."""
+    cores = sorted(os.sched_getaffinity(0))
+    core = {cores[i % len(cores)]}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), core)
+        except OSError:
+            pass
+    return sorted(core)
+
+
+def _worker_probe() -> dict[str, Any]:
+    with open("/proc/self/status") as f:
+        st = dict(line.split(":", 1) for line in f if ":" in line)
+    return {"rss_mb": int(st["VmRSS"].split()[0]) / 1024, "hwm_mb": int(st["VmHWM"].split()[0])
+            / 1024, "threads": int(st["Threads"]), "trim": os.environ.get(TRIM),
+            "top_pad": os.environ.get("MALLOC_TOP_PAD_"), "xla": os.environ.get("XLA_FLAGS"),
+            "affinity": sorted(os.sched_getaffinity(0))}
+
+
+def start_cluster(malloc: str, xla: str, pin: bool) -> tuple[Any, Any]:
+    """dd.local_cluster(2) with the chosen worker environment; returns (cluster, client)."""
+    import dask
+    from distributed import Client
+
+    import dagdiff as dd
+
+    global _PRE_SPAWN
+    for k in (TRIM, "MALLOC_TOP_PAD_"):  # a nanny writes its pre-spawn env into this process
+        if k not in _ENV0:               # too, and its children would inherit it
+            os.environ.pop(k, None)
+    if _PRE_SPAWN is None:
+        _PRE_SPAWN = dict(dask.config.get("distributed.nanny.pre-spawn-environ"))
+    pre = dict(_PRE_SPAWN)          # as found (and restored after another choice)
+    import dagdiff.cluster as ddc
+
+    # dd.local_cluster's nannies add ddc.WORKER_MALLOC_ENV to the pre-spawn environment
+    ddc.WORKER_MALLOC_ENV = {} if malloc != "default" else {"MALLOC_TOP_PAD_": TOP_PAD}
+    if malloc == "unset":
+        pre[TRIM] = None            # None unsets a key (distributed.nanny._get_env_variables)
+    dask.config.set({"distributed.nanny.pre-spawn-environ": pre})
+    env = {"XLA_FLAGS": EIGEN_OFF} if xla == "eigen-off" else {}
+    cluster = dd.local_cluster(n_workers=2, dashboard_address=None, quiet=True, env=env)
+    client = Client(cluster)
+    if pin:
+        from dagdiff.cluster import slot_names
+
+        for addr, slot in slot_names(client).items():   # slot<i> -> core i
+            client.run(_pin_all_threads, int(slot[4:]), workers=[addr])
+    return cluster, client
+
+
+def run_dagdiff(client: Any, cfg: Cfg, schedule: str) -> Result:
+    """dd.value_and_grad pipeline: per step trace + build + compute of the loss and every
+    gradient leaf in one graph; only the loss is gathered, the grads stay as futures."""
+    import jax
+    import jax.numpy as jnp
+    from distributed import wait
+
+    import dagdiff as dd
+
+    params_np, batches_np = make_data(cfg)
+    params = [{"w": jnp.asarray(w), "b": jnp.asarray(b)} for w, b in params_np]
+    batches = [(jnp.asarray(x), jnp.asarray(t)) for x, t in batches_np]
+    step = dd.value_and_grad(_dd_loss, microbatches=cfg.microbatches, schedule=schedule)
+    times, first = [], float("nan")
+    futs: list[Any] = []
+    with client.as_current():
+        for i, (x, t) in enumerate(batches):
+            del futs                 # release the previous step's futures first
+            t0 = time.perf_counter()
+            loss, grads = step(params, x, t)
+            futs = client.compute([loss, *jax.tree_util.tree_leaves(grads)])
+            value = futs[0].result()
+            wait(futs)               # the grads are computed (on the workers), not gathered
+            dt = time.perf_counter() - t0
+            if i == 0:
+                first = float(value)
+            if i >= cfg.warmup:
+                times.append(dt)
+        del futs
+    return Result(times, first)
+
+
+def run_dagdiff_adam(client: Any, cfg: Cfg, schedule: str) -> Result:
+    """dd.Trainer with optax.adam: trainer.step + loss.result() per step."""
+    import jax.numpy as jnp
+    import optax
+
+    import dagdiff as dd
+
+    params_np, batches_np = make_data(cfg)
+    params = [{"w": jnp.asarray(w), "b": jnp.asarray(b)} for w, b in params_np]
+    batches = [(jnp.asarray(x), jnp.asarray(t)) for x, t in batches_np]
+    tr = dd.Trainer(_dd_loss, optax.adam(1e-3), microbatches=cfg.microbatches,
+                    schedule=schedule, client=client)
+    state = tr.init(params, *batches[0])
+    times, first = [], float("nan")
+    for i, (x, t) in enumerate(batches):
+        t0 = time.perf_counter()
+        state, loss = tr.step(state, x, t)
+        value = loss.result()
+        dt = time.perf_counter() - t0
+        if i == 0:
+            first = float(value)
+        if i >= cfg.warmup:
+            times.append(dt)
+    del state, loss
+    return Result(times, first)
+
+
+# --------------------------------------------------------------------------------- main
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=8, help="even: 2 stages of layers/2")
+    ap.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "zb-h1"),
+                    help="dagdiff's schedule (torch runs 1F1B and GPipe)")
+    ap.add_argument("--steps", type=int, default=6, help="measured steps (median)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    ap.add_argument("--malloc", default="default", choices=MALLOC_CHOICES,
+                    help="glibc malloc variables of the dagdiff workers (see above)")
+    ap.add_argument("--xla", default="default", choices=("default", "eigen-off"),
+                    help="XLA_FLAGS of the dagdiff workers: dd.local_cluster's, or the old flags")
+    ap.add_argument("--pin", action="store_true", help="pin dagdiff worker i to core i")
+    a = ap.parse_args()
+    if a.layers % 2 or a.batch % a.microbatches:
+        ap.error("--layers must be even and --batch a multiple of --microbatches")
+    cfg = Cfg(a.width, a.batch, a.microbatches, a.layers, a.steps, a.warmup, a.seed)
+    systems = [s for s in SYSTEMS if s in a.systems]
+    if any(s.startswith("torch") for s in systems):
+        try:
+            importlib.import_module("torch.distributed.pipelining")
+        except ImportError as e:
+            print(f"torch rows skipped: torch (with torch.distributed.pipelining) is not "
+                  f"installed ({e}); pip install torch")
+            systems = [s for s in systems if not s.startswith("torch")]
+    print(f"MLP {a.layers} x {a.width} tanh, batch {a.batch}, 2 stages x {a.layers // 2} "
+          f"layers, {a.microbatches} microbatches; median of {a.steps} steps after "
+          f"{a.warmup} warm-ups; {os.cpu_count()} cores")
+    res: dict[str, Result] = {}
+
+    def show(name: str, what: str) -> None:
+        r = res[name]
+        print(f"  {what:<52} {r.median * 1e3:8.1f} ms  (min {min(r.times) * 1e3:.1f}, "
+              f"max {max(r.times) * 1e3:.1f}; loss {r.loss:.6f})", flush=True)
+
+    for s in systems:
+        if s.startswith("jax"):
+            res[s] = run_jax(cfg, adam=s == "jax-adam")
+            show(s, "jax.jit(value_and_grad), 1 process" + (" + optax adam"
+                                                            if s == "jax-adam" else ""))
+        elif s.startswith("torch"):
+            sch = "gpipe" if s == "torch-gpipe" else "1f1b"
+            res[s] = run_torch(cfg, sch, adam=s == "torch-adam", env=_ENV0)
+            show(s, f"torch pipelining {'GPipe' if sch == 'gpipe' else '1F1B'}, 2 gloo ranks"
+                 + (" + Adam" if s == "torch-adam" else ""))
+    dds = [s for s in systems if s.startswith("dagdiff")]
+    if dds:
+        cluster, client = start_cluster(a.malloc, a.xla, a.pin)
+        try:
+            for s in dds:
+                if s == "dagdiff":
+                    res[s] = run_dagdiff(client, cfg, a.schedule)
+                    show(s, f"dagdiff value_and_grad {a.schedule}, 2 workers")
+                else:
+                    res[s] = run_dagdiff_adam(client, cfg, a.schedule)
+                    show(s, f"dagdiff Trainer {a.schedule} + optax adam, 2 workers")
+            probe = client.run(_worker_probe)
+            print(f"  dagdiff workers (--malloc {a.malloc}, --xla {a.xla}"
+                  f"{', pinned' if a.pin else ''}):")
+            for addr, p in sorted(probe.items()):
+                print(f"    {addr}: RSS {p['rss_mb']:.0f} MB (peak {p['hwm_mb']:.0f}), "
+                      f"{p['threads']} threads, cores {p['affinity']}, {TRIM}={p['trim']}, "
+                      f"MALLOC_TOP_PAD_={p['top_pad']}, XLA_FLAGS={p['xla']!r}")
+        finally:
+            client.close()
+            cluster.close()
+    print("ratios (median step time):")
+    for dd_row, peer, label in (("dagdiff", "torch", "dagdiff / torch 1F1B"),
+                                ("dagdiff", "torch-gpipe", "dagdiff / torch GPipe"),
+                                ("dagdiff", "jax", "dagdiff / jax.jit"),
+                                ("dagdiff-adam", "torch-adam", "dagdiff Trainer / torch + Adam"),
+                                ("dagdiff-adam", "jax-adam", "dagdiff Trainer / jax.jit + adam")):
+        if dd_row in res and peer in res:
+            print(f"  {label:<34} {res[dd_row].median / res[peer].median:6.2f}")
+
+
+if __name__ == "__main__":
+    main()
