@@ -117,8 +117,8 @@ def main() -> None:
         ma = statistics.median(r[k] for r in results["A"])
         mb = statistics.median(r[k] for r in results["B"])
         print(f"{k:<22} {ma:>9.3f} {mb:>9.3f} {mb / ma:>6.2f}")
-    print("(schedule rows: makespan / ideal; 1f1b-wall: submit to result / ideal; hop_ms: median
-worker-to-worker gap between consecutive actions, ms)")
+    print("(schedule rows: makespan / ideal; 1f1b-wall: submit to result / ideal; "
+          "hop_ms: median worker-to-worker gap between consecutive actions, ms)")
 
 
 if __name__ == "__main__":
