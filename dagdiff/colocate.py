@@ -17,6 +17,8 @@ __all__ = ["ColocateVJP", "ensure_colocation"]
 
 log = logging.getLogger(__name__)
 _BWD = ("vjp_", "igrad_", "wgrad_")
+
+
 def _latency() -> float | None:
     """Seconds between flushes of distributed's batched message streams (None: keep
     distributed's defaults); dask config ``dagdiff.batched-send-interval``."""

@@ -3,7 +3,6 @@ also after a restart (XLA's CPU kernels ran 2x slower without it)."""
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import pytest
 

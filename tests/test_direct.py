@@ -185,8 +185,8 @@ def test_a_step_is_one_program_per_worker_in_schedule_order(client2: Any) -> Non
         # the step's inputs that are Dask keys (resident parameters) and the run nonce;
         # the batch travels inside the program task (no scattered data: recomputable)
         nonce = next(d for d in dsk[k].dependencies if d.startswith("run_step"))
-        assert set(dsk[k].dependencies) == {s for s in prog.statics
-                                             if not s.startswith("input_")} | {nonce}
+        resident = {s for s in prog.statics if not s.startswith("input_")}
+        assert set(dsk[k].dependencies) == resident | {nonce}
         assert dsk[nonce].dependencies == frozenset()
         actions = [a.key for a in prog.actions]
         # no action is also an ordinary task, except as its program's export
