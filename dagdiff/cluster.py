@@ -114,8 +114,8 @@ def local_cluster(
     (default: the number of cores) single-threaded worker processes. Worker processes
     start with `WORKER_MALLOC_ENV` (glibc's top pad; see there: without it XLA's CPU
     kernels ran 2x slower under distributed's malloc trim threshold). Worker i has the
-    resource ``slot<i>`` (see module docstring). Extra keyword arguments go to the cluster class. Prints the dashboard
-    link unless `quiet`.
+    resource ``slot<i>`` (see module docstring). Extra keyword arguments go to the cluster
+    class. Prints the dashboard link unless `quiet`.
 
     `profile=False` turns off distributed's sampling profiler on the workers (the
     dashboard's Profile tab stays empty): it walks every thread's stack every 10 ms, and
