@@ -6,6 +6,8 @@ from .cluster import local_cluster
 from .custom import CustomLayer, custom_layer
 from .errors import (
     ArgumentError,
+    CheckpointError,
+    ClientClosedError,
     DagdiffError,
     DirectDispatchError,
     KeyFormatError,
@@ -77,4 +79,6 @@ __all__ = [
     "PlacementError",
     "MicrobatchError",
     "DirectDispatchError",
+    "CheckpointError",
+    "ClientClosedError",
 ]

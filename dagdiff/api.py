@@ -47,12 +47,19 @@ def trace_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
                    for p, x in leaves]
             targs.append(jax.tree_util.tree_unflatten(td, new))
         if argnums and not any(n.kind == "param" for n in trace.nodes):
-            seen = [f"{n.name} {fmt_aval(n.out_avals[0])}" for n in trace.nodes][:4]
+            got = []
+            for i in argnums:
+                leaves = jax.tree_util.tree_leaves(args[i])
+                kinds = sorted({fmt_aval(x) if is_array(x) else type(x).__name__
+                                for x in leaves})[:4]
+                got.append(f"argument {names[i]!r} (position {i}) holds "
+                           f"{', '.join(kinds) or 'no leaves'}")
             raise TracerError(
-                f"{name}: nothing to differentiate: argument(s) {list(argnums)} have no "
-                f"floating-point array leaves (got {', '.join(seen) or 'no arrays'}); "
-                "integer leaves get no gradient (as with jax.grad, which refuses them). Cast "
-                "the parameters to float (x.astype(jnp.float32)), or pick argnums=")
+                f"{name}: nothing to differentiate: {'; '.join(got)}, and no floating-point "
+                "array. The differentiated argument(s) must be a pytree of float arrays "
+                "(e.g. the params); integer leaves get no gradient (as with jax.grad, which "
+                "refuses them). Cast the parameters to float (x.astype(jnp.float32)), or pick "
+                "argnums=")
         tkw = {k: jax.tree_util.tree_map(
             lambda x: trace.add_input(x, f"kw_{k}", False) if is_array(x) else x, v)
             for k, v in kwargs.items()}

@@ -13,7 +13,7 @@ import weakref
 from typing import Any
 
 __all__ = ["local_cluster", "gpu_count", "slot_names", "workers_info", "latest_workers_info",
-           "CPU_WORKER_ENV", "WORKER_MALLOC_ENV"]
+           "check_open", "CPU_WORKER_ENV", "WORKER_MALLOC_ENV"]
 
 #: single-threaded BLAS/OpenMP in CPU workers. No XLA_FLAGS: the usual
 #: ``--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1`` does not make XLA
@@ -181,11 +181,25 @@ def slot_names(client: Any) -> dict[str, str]:
     return out
 
 
+def check_open(client: Any) -> None:
+    """Raise `ClientClosedError` (with the fix) when `client` was closed."""
+    status = getattr(client, "status", "running")
+    if status in ("closing", "closed") or (status != "running"
+                                           and getattr(client, "scheduler", 1) is None):
+        from .errors import ClientClosedError
+
+        raise ClientClosedError(
+            f"the distributed Client {getattr(client, 'id', '')} is {status}: make a new one "
+            "(client = distributed.Client(cluster)) and use it (dd.Trainer(..., client=client), "
+            "or `with client.as_current():`), or compute without a client on local threads")
+
+
 def workers_info(client: Any) -> dict[str, Any]:
     """Every worker's entry of the scheduler's identity, asked directly: the client's
     cached `scheduler_info()` is also refreshed by a periodic callback that lists no
     workers, which can overwrite it between the refresh and the read. The answer is
     also kept as the client's `latest_workers_info`."""
+    check_open(client)
     if not getattr(client, "asynchronous", False):
         try:
             info = dict(client.sync(client.scheduler.identity, n_workers=-1)["workers"])

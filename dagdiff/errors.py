@@ -12,6 +12,8 @@ __all__ = [
     "ArgumentError",
     "DirectDispatchError",
     "UpstreamError",
+    "CheckpointError",
+    "ClientClosedError",
 ]
 
 
@@ -55,3 +57,11 @@ class DirectDispatchError(DagdiffError, RuntimeError):
 
 class UpstreamError(DagdiffError, RuntimeError):
     """An input of this task failed on its own worker (the message names the first failure)."""
+
+
+class CheckpointError(DagdiffError, ValueError):
+    """A checkpoint directory is missing, incomplete or not one `dd.save` wrote."""
+
+
+class ClientClosedError(DagdiffError, RuntimeError):
+    """The distributed Client a step would run on was closed."""

@@ -25,7 +25,7 @@ from .api import (OutKey, _argnames, _argnums, _check_loss, build_graph, check_d
                   current_client, prepare, program_homes, resolve_dispatch, to_delayed,
                   trace_call)
 from .backward import build_backward
-from .errors import ArgumentError, MicrobatchError
+from .errors import ArgumentError, CheckpointError, MicrobatchError
 from .keys import make_key
 from .lower import trace_token
 from .pipeline import lower_pipeline, microbatch_avals, resolve_schedule
@@ -267,6 +267,10 @@ class Trainer:
                 f"Trainer.step takes the TrainState from Trainer.init (or the previous step), "
                 f"got {type(state).__name__}: state = trainer.init(params); "
                 "state, loss = trainer.step(state, x, t)")
+        if self.client is not None:
+            from .cluster import check_open
+
+            check_open(self.client)
         model = self._model(batch)
         if not state.is_placed:
             state = self._place(state, model)
@@ -537,8 +541,18 @@ def load(path: str) -> TrainState:
 
     import orbax.checkpoint as ocp
 
-    tree = ocp.PyTreeCheckpointer().restore(os.path.abspath(path))
-    groups = tuple(tuple(int(i) for i in g) for g in tree.get("groups") or ()) or None
-    return TrainState(int(tree["step"]), params=tuple(tree["params"]),
-                      opt_leaves=tuple(tuple(g) for g in tree.get("opt") or ()) or None,
-                      groups=groups)
+    where = os.path.abspath(path)
+    if not os.path.isdir(where):
+        raise CheckpointError(f"dd.load: no checkpoint directory at {where!r} (dd.save writes "
+                              "one); check the path")
+    try:
+        tree = ocp.PyTreeCheckpointer().restore(where)
+        groups = tuple(tuple(int(i) for i in g) for g in tree.get("groups") or ()) or None
+        return TrainState(int(tree["step"]), params=tuple(tree["params"]),
+                          opt_leaves=tuple(tuple(g) for g in tree.get("opt") or ()) or None,
+                          groups=groups)
+    except Exception as e:              # noqa: BLE001 - orbax raises many kinds
+        raise CheckpointError(
+            f"dd.load: {where!r} is not a readable dd.save checkpoint ({type(e).__name__}: "
+            f"{str(e)[:200]}); it may be incomplete or corrupt (a save interrupted, files "
+            "changed): load an earlier checkpoint, or save again") from e

@@ -42,7 +42,8 @@ def test_integer_parameters_alone_are_refused_like_jax_grad() -> None:
         jax.grad(loss_fn)(ints, x, t)
     with pytest.raises(dd.TracerError, match="nothing to differentiate") as e:
         dd.value_and_grad(loss_fn)(ints, x, t)
-    assert "params_0_b i32[8]" in str(e.value) and "astype(jnp.float32)" in str(e.value)
+    assert "argument 'params' (position 0) holds i32[3], i32[4,8]" in str(e.value)
+    assert "astype(jnp.float32)" in str(e.value)
 
 
 def test_batch_options_are_checked_and_named() -> None:
@@ -196,3 +197,40 @@ def test_a_custom_fwd_without_residuals_is_named() -> None:
     want = "'np_sin': fwd must return \\(out, residuals\\), got ndarray"
     with pytest.raises(CustomRuleError, match=want):
         dd.value_and_grad(lambda p, x: M.mse(sin(p), x))(jnp.ones((2, 3)), jnp.ones((2, 3)))
+
+
+def test_a_missing_or_corrupt_checkpoint_is_named(tmp_path: Any) -> None:
+    with pytest.raises(dd.CheckpointError, match="no checkpoint directory at"):
+        dd.load(str(tmp_path / "nowhere"))
+    params, x, t = data()
+    tr = dd.Trainer(loss_fn, optax.sgd(0.1))
+    state = tr.init(params)
+    dd.save(str(tmp_path / "ckpt"), state, tr)
+    for f in (tmp_path / "ckpt").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"\xff\xfe not a checkpoint \x00" * 8)
+    with pytest.raises(dd.CheckpointError, match="not a readable dd.save checkpoint") as e:
+        dd.load(str(tmp_path / "ckpt"))
+    assert "ckpt" in str(e.value) and isinstance(e.value, ValueError)
+
+
+@pytest.mark.distributed
+def test_a_step_on_a_closed_client_says_so(client2: Any) -> None:
+    from distributed import Client
+
+    params, x, t = data()
+    other = Client(client2.scheduler.address, set_as_default=False)
+    tr = dd.Trainer(loss_fn, optax.sgd(0.1), microbatches=2, schedule="1f1b", client=other)
+    state = tr.init(params)
+    other.close()
+    with pytest.raises(dd.ClientClosedError, match="is closed: make a new one"):
+        tr.step(state, x, t)
+    with pytest.raises(dd.ClientClosedError, match="is closed"):
+        with other.as_current():
+            dd.value_and_grad(loss_fn, microbatches=2, schedule="1f1b")(params, x, t)
+
+
+def test_a_string_as_params_is_named() -> None:
+    _, x, t = data()
+    with pytest.raises(dd.TracerError, match="argument 'params' \\(position 0\\) holds str"):
+        dd.value_and_grad(loss_fn)("weights.npz", x, t)
