@@ -50,9 +50,23 @@ def gpu_count() -> int:
 
 def _slotted(base: type) -> type:
     class SlottedCluster(base):  # type: ignore[misc, valid-type]
-        """A local cluster whose i-th worker has the start-up resource ``slot<i>``."""
+        """A local cluster whose i-th worker has the start-up resource ``slot<i>``, and
+        which keeps its size: a lost worker's nanny starts a new worker process."""
 
         dagdiff_worker_config: dict[str, Any] = {}
+
+        def _update_worker_status(self, op: str, msg: Any) -> None:
+            """SpecCluster closes the nanny of a worker that has not come back within
+            ``distributed.deploy.lost-worker-timeout`` (15 s) and does not replace it,
+            so a cluster whose workers restart slowly (JAX imports on a loaded machine)
+            shrank for good after a few losses. Here the nanny stays: it restarts its
+            worker, however long that takes and however often it happens."""
+            from distributed.deploy.cluster import Cluster
+
+            if op == "remove" and getattr(self, "_dagdiff_keep_size", True):
+                Cluster._update_worker_status(self, op, msg)
+            else:
+                super()._update_worker_status(op, msg)
 
         def new_worker_spec(self) -> dict[Any, Any]:
             spec = {}

@@ -1,13 +1,16 @@
-"""dd.local_cluster's worker environment: glibc's top pad reaches every worker process,
-also after a restart (XLA's CPU kernels ran 2x slower without it)."""
+"""dd.local_cluster: glibc's top pad reaches every worker process, also after a restart
+(XLA's CPU kernels ran 2x slower without it), and the cluster keeps its size."""
 from __future__ import annotations
 
 import os
 
+import jax
+import numpy as np
 import pytest
 
 import dagdiff as dd
 from dagdiff.cluster import WORKER_MALLOC_ENV
+from tests.test_pipeline import close, data, make_loss
 
 
 def _env() -> dict[str, str | None]:
@@ -33,6 +36,56 @@ def test_workers_start_with_the_top_pad_and_keep_it_after_a_restart() -> None:
         (env,) = client.run(_env).values()
         assert env["MALLOC_TOP_PAD_"] == WORKER_MALLOC_ENV["MALLOC_TOP_PAD_"]
         assert list(dd.cluster.slot_names(client).values()) == ["slot0"]
+    finally:
+        client.close()
+        cluster.close()
+
+
+def _exit_process() -> None:
+    import threading
+
+    threading.Timer(0.05, os._exit, (1,)).start()
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_cluster_keeps_its_size_through_30_kills() -> None:
+    """Every kill of a worker process is followed by a new one from its nanny, also when
+    the restart takes longer than distributed's lost-worker timeout (set to 1 s here;
+    distributed's own SpecCluster would close that nanny and shrink)."""
+    import time
+
+    import dask
+    from distributed import Client
+
+    cluster = dd.local_cluster(n_workers=2, dashboard_address=None, quiet=True)
+    client = Client(cluster, set_as_default=False)
+    try:
+        with dask.config.set({"distributed.deploy.lost-worker-timeout": "1s"}):
+            for i in range(30):
+                victim = sorted(client.scheduler_info()["workers"])[i % 2]
+                client.run(_exit_process, workers=[victim])
+                deadline = time.time() + 120
+                while time.time() < deadline:
+                    workers = client.scheduler_info()["workers"]
+                    if victim not in workers and len(workers) == 2:
+                        break
+                    time.sleep(0.1)
+                else:
+                    raise AssertionError(f"kill {i}: workers {sorted(workers)}")
+            time.sleep(2.0)                        # past the (1 s) lost-worker timeout
+        assert len(cluster.workers) == 2
+        assert sorted(dd.cluster.slot_names(client).values()) == ["slot0", "slot1"]
+        loss_fn = make_loss(2)
+        params, x, t = data(2)
+        with client.as_current():
+            loss, grads = dd.value_and_grad(loss_fn, microbatches=4, schedule="1f1b")(
+                params, x, t)
+            got_l, got_g = client.compute([loss, grads], sync=True)
+        want_l, want_g = jax.value_and_grad(loss_fn)(params, x, t)
+        np.testing.assert_allclose(got_l, want_l, rtol=1e-5)
+        close(got_g, want_g)
     finally:
         client.close()
         cluster.close()
