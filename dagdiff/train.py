@@ -397,26 +397,50 @@ class Trainer:
         if total is None and hasattr(batches, "__len__"):
             total = len(batches)  # type: ignore[arg-type]
         bar = tqdm(total=total, disable=not progress, desc="train", unit="step")
-        pending: list[Any] = []
+        pending: list[tuple[Any, TrainState]] = []    # (loss, the state it leads to)
         losses: list[float] = []
-        for i, batch in enumerate(batches):
-            if steps is not None and i >= steps:
-                break
-            if not isinstance(batch, (tuple, list)):
-                raise ArgumentError(
-                    f"Trainer.fit takes an iterable of batches, each a tuple of the loss "
-                    f"function's batch arguments (e.g. [(x0, t0), (x1, t1), ...]); batch {i} "
-                    f"is a {type(batch).__name__}")
-            state, loss = self.step(state, *batch)
-            pending.append(loss)
-            while len(pending) > 2:  # keep two steps in flight
-                losses.append(float(_result(pending.pop(0))))
-                bar.set_postfix(loss=f"{losses[-1]:.4f}")
-                bar.update(1)
-        for loss in pending:
+        finished = state                              # the last state whose step ended
+
+        def take_one() -> None:
+            nonlocal finished
+            loss, after = pending.pop(0)
             losses.append(float(_result(loss)))
+            finished = after
             bar.set_postfix(loss=f"{losses[-1]:.4f}")
             bar.update(1)
+
+        try:
+            for i, batch in enumerate(batches):
+                if steps is not None and i >= steps:
+                    break
+                if not isinstance(batch, (tuple, list)):
+                    raise ArgumentError(
+                        f"Trainer.fit takes an iterable of batches, each a tuple of the loss "
+                        f"function's batch arguments (e.g. [(x0, t0), (x1, t1), ...]); batch "
+                        f"{i} is a {type(batch).__name__}")
+                state, loss = self.step(state, *batch)
+                pending.append((loss, state))
+                while len(pending) > 2:  # keep two steps in flight
+                    take_one()
+            while pending:
+                take_one()
+        except KeyboardInterrupt:
+            # Ctrl-C: keep the steps that already ended, let go of the others (released
+            # futures stop their programs on the workers; this frame, kept alive by the
+            # traceback, must not hold them), and make the last finished state this
+            # trainer's latest
+            while pending and getattr(pending[0][0], "status", "finished") == "finished":
+                take_one()
+            pending.clear()
+            state = loss = None               # noqa: F841 - drop the in-flight futures
+            self._last = finished
+            bar.close()
+            import warnings
+
+            warnings.warn(f"Trainer.fit interrupted after {len(losses)} finished step(s); "
+                          f"trainer.fit(...) goes on from step {finished.step} (the state "
+                          "of the last finished step)", stacklevel=2)
+            raise
         bar.close()
         if steps is not None and len(losses) < steps:
             import warnings

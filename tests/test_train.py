@@ -188,3 +188,46 @@ def test_main_command_runs(tmp_path: Any) -> None:
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "multiple of" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def _running_programs(dask_worker: Any) -> int:
+    return len(dask_worker.extensions["dagdiff"]._running)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_ctrl_c_in_fit_keeps_the_last_finished_state_and_the_cluster(client2: Any) -> None:
+    """A KeyboardInterrupt in the middle of fit (here from the batch iterator, as a
+    Ctrl-C between steps): no program keeps running, the trainer's latest state is the
+    last finished step's (equal to plain optax over those steps), and fit goes on."""
+    import time
+    import warnings
+
+    params, batches = setup(8)
+    opt = optax.adam(1e-2)
+    tr = dd.Trainer(loss_fn, opt, microbatches=4, schedule="1f1b", client=client2)
+    tr.init(params)
+
+    def interrupted() -> Any:
+        for i, b in enumerate(batches):
+            if i == 5:
+                raise KeyboardInterrupt
+            yield b
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(KeyboardInterrupt):
+            tr.fit(interrupted(), progress=False)
+    assert any("interrupted after" in str(w.message) for w in caught)
+    deadline = time.time() + 20
+    while sum(client2.run(_running_programs).values()) and time.time() < deadline:
+        time.sleep(0.1)
+    assert sum(client2.run(_running_programs).values()) == 0
+    done = tr._last
+    assert done is not None and 3 <= done.step <= 5           # 2 steps were in flight
+    want, _ = reference(params, batches[:done.step], opt)
+    close(tr.params(done), want)
+    state, losses = tr.fit(batches[done.step:], progress=False)   # goes on from there
+    want, want_losses = reference(params, batches, opt)
+    close(tr.params(state), want)
+    np.testing.assert_allclose(losses, want_losses[done.step:], rtol=1e-5)
