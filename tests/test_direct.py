@@ -530,6 +530,32 @@ def test_a_send_to_a_worker_that_is_gone_fails_in_bounded_time(client2: Any) -> 
     assert took < 15                                 # the connect deadline (10 s)
 
 
+async def _send_unserializable_then_good(to: str, dask_worker: Any) -> Any:
+    import asyncio
+    import threading
+
+    rt = dask_worker.extensions["dagdiff"]
+    loop = asyncio.get_running_loop()
+    bad: asyncio.Future = loop.create_future()
+    good: asyncio.Future = loop.create_future()
+    rt.transport.send(to, Value("r-unser", "bad", 1, pack(threading.Lock())), bad.set_result)
+    err = await asyncio.wait_for(bad, 30)
+    rt.transport.send(to, Value("r-unser", "good", 1, pack(np.ones(2))), good.set_result)
+    ok = await asyncio.wait_for(good, 30)
+    return type(err).__name__, ok
+
+
+@pytest.mark.distributed
+def test_a_value_that_does_not_serialize_fails_only_its_own_send(client2: Any) -> None:
+    """A value pickling refuses fails its sender's message; the comm to that worker stays
+    usable (it is not taken for a lost worker)."""
+    a0, a1 = _addresses(client2)
+    (err, ok), = client2.run(_send_unserializable_then_good, a1, workers=[a0]).values()
+    assert err is not None and ok is None
+    got = _until(lambda: client2.run(_received, "r-unser", workers=[a1])[a1][0])
+    assert got == ["good"]
+
+
 def _listening_ports(dask_worker: Any) -> tuple[list[int], list[int]]:
     """(ports this worker process listens on, ports Dask's own servers listen on)."""
     import psutil

@@ -115,12 +115,14 @@ class Transport:
                     break
                 except Exception as e:          # noqa: BLE001 - reported to each sender
                     error = e
+                    if not _broken(e) and peer.comm is not None and not peer.comm.closed():
+                        break                     # the batch did not serialize: comm is fine
                     if peer.comm is not None:
                         peer.comm.abort()
                     peer.comm = None
                     if fresh:                     # a new comm failed: no second try
                         break
-            if error is not None:
+            if error is not None and _broken(error):
                 if isinstance(error, asyncio.TimeoutError):
                     error = TimeoutError(f"no progress writing to {peer.address} within "
                                          f"{WRITE_TIMEOUT:g} s (or connecting within "
@@ -177,6 +179,14 @@ class Transport:
             peer.queue.clear()
             if peer.comm is not None:
                 peer.comm.abort()
+
+
+def _broken(e: BaseException) -> bool:
+    """Whether a failed write means the connection is unusable (as opposed to a message
+    that could not be serialized, which fails only its own senders)."""
+    from distributed.comm.core import CommClosedError
+
+    return isinstance(e, (OSError, CommClosedError, asyncio.TimeoutError, TimeoutError))
 
 
 def _decoded(d: dict[str, Any]) -> dict[str, Any]:
