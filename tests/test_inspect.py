@@ -66,6 +66,34 @@ def test_timeline_png_rows_and_blocks(tmp_path: Any) -> None:
 
 
 @pytest.mark.distributed
+def test_a_recorded_step_saves_as_a_chrome_trace(client2: Any, tmp_path: Any) -> None:
+    """Recording.save_trace: valid trace-event JSON (what Perfetto reads), one named track
+    per worker, every recorded action once on its worker's track with its microbatch."""
+    import json
+
+    params, x, t = data(2, batch=16)
+    with client2.as_current():
+        loss, grads = dd.value_and_grad(make_loss(2), microbatches=4, schedule="1f1b")(
+            params, x, t)
+        with dd.record(client2) as rec:
+            client2.compute([loss, grads], sync=True)
+    rec.save_trace(str(tmp_path / "step.json"))
+    trace = json.loads((tmp_path / "step.json").read_text())
+    events = trace["traceEvents"]
+    tracks = {e["tid"]: e["args"]["name"] for e in events
+              if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert len(tracks) == len(rec.workers) == 2
+    slices = [e for e in events if e["ph"] == "X"]
+    assert all(isinstance(e["ts"], (int, float)) and e["dur"] >= 0 for e in slices)
+    want = sorted((r.key, r.worker, r.microbatch) for r in rec.tasks if r.phase in ("F", "B"))
+    got = sorted((e["args"]["key"], e["args"]["worker"], e["args"]["microbatch"])
+                 for e in slices if e["cat"] in ("F", "B"))
+    assert got == want and len(got) == 2 * 2 * 4           # 2 stages x F/B x 4 microbatches
+    by_track = {tid: {e["args"]["worker"] for e in slices if e["tid"] == tid} for tid in tracks}
+    assert all(len(ws) == 1 for ws in by_track.values())   # one worker per track
+
+
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_measured_bubble_matches_formula(client4: Any) -> None:
     from dagdiff.schedules import bubble_formula
