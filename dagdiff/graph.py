@@ -13,6 +13,9 @@ from .inspect_ import PHASE_COLORS
 from .keys import key_info
 from .tracer import Traced, fmt_aval
 
+#: graphs up to this many tasks show their picture inline in Jupyter (below the table)
+INLINE_TASKS = 400
+
 __all__ = ["TracedGraph", "trace"]
 
 _NODE = re.compile(r"-n(\d+)")
@@ -85,9 +88,12 @@ class TracedGraph:
         counts = ", ".join(f"{p} {c}" for p, c in sorted(self.tasks_by_phase().items()))
         sched = (f"; {self.microbatches} microbatches, schedule "
                  f"{getattr(self.schedule, 'name', self.schedule)}" if self.schedule else "")
+        picture = ""
+        if len(self.dsk) <= INLINE_TASKS:    # the picture below the table (scrolls)
+            picture = f'<div style="overflow:auto;max-height:480px">{self.svg()}</div>'
         return (f"<div><b>dagdiff graph</b>: {len(self.dsk)} tasks ({counts}){sched}"
                 f"<table><thead><tr>{cells}</tr></thead><tbody>{''.join(body)}</tbody>"
-                "</table></div>")
+                f"</table>{picture}</div>")
 
     def __repr__(self) -> str:
         lines = [f"TracedGraph({len(self.dsk)} tasks)"]
@@ -132,23 +138,50 @@ class TracedGraph:
                     g.edge(d, k)
         return g
 
+    def svg(self, max_tasks: int = 2000) -> str:
+        """The graph as SVG text, drawn by dagdiff (no graphviz needed): columns by
+        dependency depth, a band per stage, boxes coloured by phase with the task key as
+        tooltip; above `max_tasks` tasks, one box per (stage, phase, layer) with its count."""
+        from .svg import graph_svg
+
+        dsk = self.dsk
+        deps = {k: [d for d in getattr(t, "dependencies", ()) if d in dsk]
+                for k, t in dsk.items()}
+
+        def label(stage: str) -> str:
+            if stage == "None":
+                return "no stage"
+            where = self.targets.target(int(stage))
+            return f"stage {stage}" + (f" ({where})" if where is not None else "")
+
+        text, _ = graph_svg(deps, key_info, PHASE_COLORS, label, max_tasks)
+        return text
+
     def visualize(self, path: str = "graph.svg", max_tasks: int = 2000) -> str:
-        """Write the graph picture (format from the suffix: .svg, .png, .pdf; .dot/.gv
-        writes the graphviz source, which needs no graphviz binaries)."""
+        """Write the graph picture (format from the suffix). ``.svg`` is rendered with
+        graphviz's ``dot`` when it is installed, else drawn by dagdiff itself (`svg`);
+        ``.png``/``.pdf`` need ``dot``; ``.dot``/``.gv`` write the graphviz source. Graphs
+        over `max_tasks` tasks are summarised per stage, phase and layer (drawn by
+        dagdiff) instead of refused."""
         import os
         import shutil
 
-        g = self.to_graphviz(max_tasks)
         base, ext = os.path.splitext(path)
         fmt = ext.lstrip(".").lower() or "svg"
+        big = len(self.dsk) > max_tasks
+        if fmt == "svg" and (big or shutil.which("dot") is None):
+            with open(path, "w") as f:
+                f.write(self.svg(max_tasks))
+            return path
+        g = self.to_graphviz(max_tasks)
         if fmt in ("dot", "gv"):
             with open(path, "w") as f:
                 f.write(g.source)
             return path
         if shutil.which("dot") is None:
-            raise RuntimeError("rendering needs the graphviz 'dot' program (apt-get install "
-                               "graphviz / conda install graphviz); or save the source with "
-                               "visualize('graph.dot')")
+            raise RuntimeError(f"rendering {fmt} needs the graphviz 'dot' program (apt-get "
+                               "install graphviz / conda install graphviz); visualize('graph."
+                               "svg') draws the picture without it")
         return g.render(base, format=fmt, cleanup=True)
 
 

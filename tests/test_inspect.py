@@ -45,6 +45,42 @@ def test_graphviz_source_counts_and_colours() -> None:
     assert src.count("->") == n_edges
 
 
+def test_the_graph_picture_needs_no_graphviz_binary(tmp_path: Any, monkeypatch: Any) -> None:
+    """visualize('x.svg') with `dot` off PATH: dagdiff draws it; one box per task with its
+    key as tooltip, coloured by phase, in one band per stage; shown inline in Jupyter."""
+    import xml.etree.ElementTree as ET
+
+    monkeypatch.setenv("PATH", str(tmp_path))          # no dot (nor anything else) here
+    params, x, t = data(2)
+    g = dd.trace(make_loss(2), microbatches=2, schedule="1f1b")(params, x, t)
+    out = g.visualize(str(tmp_path / "graph.svg"))
+    root = ET.parse(out).getroot()
+    ns = "{http://www.w3.org/2000/svg}"
+    tasks = [e for e in root.iter(f"{ns}g") if e.get("class") == "task"]
+    tips = sorted(e.find(f"{ns}title").text for e in tasks)
+    assert tips == sorted(g.dsk)                          # every task once
+    fills = {e.find(f"{ns}rect").get("fill") for e in tasks}
+    assert {PHASE_COLORS["F"], PHASE_COLORS["B"]} <= fills
+    bands = [e for e in root.iter(f"{ns}rect") if e.get("class") == "stage"]
+    assert len(bands) == len({dd.key_info(k).stage for k in g.dsk})
+    assert "<svg" in g._repr_html_()
+    with pytest.raises(RuntimeError, match="draws the picture without it"):
+        g.visualize(str(tmp_path / "graph.png"))
+
+
+def test_a_large_graph_is_summarised_not_refused(tmp_path: Any) -> None:
+    import xml.etree.ElementTree as ET
+
+    params, x, t = data(2, batch=64)
+    g = dd.trace(make_loss(2), microbatches=16, schedule="1f1b")(params, x, t)
+    out = g.visualize(str(tmp_path / "big.svg"), max_tasks=50)
+    root = ET.parse(out).getroot()
+    ns = "{http://www.w3.org/2000/svg}"
+    tips = [e.find(f"{ns}title").text for e in root.iter(f"{ns}g") if e.get("class") == "task"]
+    assert len(g.dsk) > 50 and 0 < len(tips) < 50
+    assert sum(int(tip.split()[0]) for tip in tips) == len(g.dsk)    # every task counted
+
+
 def test_timeline_png_rows_and_blocks(tmp_path: Any) -> None:
     import matplotlib
 
