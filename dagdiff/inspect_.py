@@ -130,6 +130,57 @@ class Recording:
                 json.dump(trace, f)
         return trace
 
+    def chart(self, title: str | None = None, width: int = 1000) -> Any:
+        """An interactive timeline (a bokeh figure): one row per worker, one bar per task
+        coloured by phase, hover for its key, layer, stage, microbatch, start and
+        duration; pan and zoom along time; makespan and bubble in the title. Show it with
+        ``bokeh.io.output_notebook(); bokeh.io.show(rec.chart())``, or `save_html`.
+        Needs bokeh (``pip install dagdiff[viz]``)."""
+        try:
+            from bokeh.models import ColumnDataSource, HoverTool
+            from bokeh.plotting import figure
+        except ImportError as e:                # pragma: no cover - the dashboard's bokeh
+            raise ImportError("Recording.chart needs bokeh: pip install 'dagdiff[viz]'") from e
+        rows = self.workers
+        names = [str(self.worker_names.get(w, w)) for w in rows]
+        t0 = min((t.start for t in self.tasks), default=0.0)
+        cols: dict[str, list[Any]] = {k: [] for k in (
+            "worker", "left", "right", "color", "phase", "layer", "stage", "microbatch",
+            "key", "start_ms", "dur_ms")}
+        for t in self.tasks:
+            cols["worker"].append(str(self.worker_names.get(t.worker, t.worker)))
+            cols["left"].append(t.start - t0)
+            cols["right"].append(max(t.stop, t.start + 1e-6) - t0)
+            cols["color"].append(PHASE_COLORS.get(t.phase, PHASE_COLORS["other"]))
+            cols["phase"].append(t.phase)
+            cols["layer"].append(t.layer or "")
+            cols["stage"].append("" if t.stage is None else str(t.stage))
+            cols["microbatch"].append("" if t.microbatch is None else str(t.microbatch))
+            cols["key"].append(t.key)
+            cols["start_ms"].append(round((t.start - t0) * 1e3, 3))
+            cols["dur_ms"].append(round((t.stop - t.start) * 1e3, 3))
+        bf = self.bubble_fraction()
+        fig = figure(y_range=list(reversed(names)), width=width, height=60 + 40 * len(rows),
+                     title=title or f"makespan {self.makespan():.3f} s, bubble {bf.overall:.1%}",
+                     x_axis_label="time (s)", tools="xpan,xwheel_zoom,box_zoom,reset,save",
+                     active_scroll="xwheel_zoom")
+        fig.hbar(y="worker", left="left", right="right", height=0.8, fill_color="color",
+                 line_color="black", line_width=0.3, source=ColumnDataSource(cols))
+        fig.add_tools(HoverTool(tooltips=[
+            ("task", "@key"), ("phase", "@phase"), ("layer", "@layer"), ("stage", "@stage"),
+            ("microbatch", "@microbatch"), ("start", "@start_ms ms"),
+            ("duration", "@dur_ms ms")]))
+        return fig
+
+    def save_html(self, path: str, title: str | None = None) -> str:
+        """`chart` as a standalone HTML file (BokehJS inline: opens offline)."""
+        from bokeh.embed import file_html
+        from bokeh.resources import INLINE
+
+        with open(path, "w") as f:
+            f.write(file_html(self.chart(title), INLINE, title or "dagdiff timeline"))
+        return path
+
     def timeline(self, path: str | None = None, title: str | None = None,
                  width: float = 12.0) -> Any:
         """Draw a per-worker Gantt chart (F/B/I/W blocks with microbatch numbers,

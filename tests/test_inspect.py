@@ -129,6 +129,32 @@ def test_a_recorded_step_saves_as_a_chrome_trace(client2: Any, tmp_path: Any) ->
     assert all(len(ws) == 1 for ws in by_track.values())   # one worker per track
 
 
+def test_the_interactive_timeline_has_every_task_once(tmp_path: Any) -> None:
+    """Recording.chart (bokeh): one bar per recorded task on its worker's row, with the
+    hover fields; save_html writes a standalone page holding the same data."""
+    import dask
+    from bokeh.models import ColumnDataSource, HoverTool
+
+    params, x, t = data(2)
+    loss, grads = dd.value_and_grad(make_loss(2), microbatches=2, schedule="1f1b")(params, x, t)
+    with dd.record() as rec:
+        dask.compute(loss, grads, scheduler="threads")
+    fig = rec.chart()
+    (src,) = [m for m in fig.references() if isinstance(m, ColumnDataSource)]
+    assert sorted(src.data["key"]) == sorted(r.key for r in rec.tasks)
+    assert set(src.data["worker"]) == {rec.worker_names.get(w, w) for w in rec.workers}
+    busy = [i for i, p in enumerate(src.data["phase"]) if p in ("F", "B")]
+    assert {src.data["microbatch"][i] for i in busy} == {"0", "1"}
+    (hover,) = [m for m in fig.tools if isinstance(m, HoverTool)]
+    fields = {name for name, _ in hover.tooltips}
+    assert {"task", "layer", "stage", "microbatch", "duration"} <= fields
+    assert "bubble" in fig.title.text
+    page = (tmp_path / "t.html")
+    rec.save_html(str(page))
+    text = page.read_text()
+    assert all(r.key in text for r in rec.tasks)
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_measured_bubble_matches_formula(client4: Any) -> None:
