@@ -29,56 +29,31 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 def measure(f_list: list[float], repeat: int) -> dict[str, Any]:
     """Run in a subprocess whose `dagdiff` is the tree under test."""
-    import jax.numpy as jnp
     from distributed import Client
 
     import dagdiff as dd
-    from dagdiff.schedules import get_schedule, ideal_makespan
-    from dagdiff.simulated import sleepy_pipeline
+    from bench_pipeline import run
+    from dagdiff.schedules import ideal_makespan
 
     p = 4
     cluster = dd.local_cluster(n_workers=p, dashboard_address=None, quiet=True)
     client = Client(cluster)
     out: dict[str, Any] = {"dagdiff": dd.__file__}
-
-    def span_of(name: str, m: int, f: float) -> tuple[float, Any, float]:
-        sched = get_schedule(name)
-        v = sched.virtual_stages
-        fn = sleepy_pipeline(p, f, chunks=v)
-        params = [jnp.float32(1.0)] * (p * v)
-        best, best_rec, walls = None, None, []
-        with client.as_current():
-            for i in range(repeat + 1):        # the first run compiles
-                loss, grads = dd.value_and_grad(fn, microbatches=m, schedule=sched,
-                                                dispatch="direct")(params, jnp.ones((m, 4)) + i)
-                t0 = time.perf_counter()
-                with dd.record(client) as rec:
-                    client.compute([loss, grads], sync=True)
-                wall = time.perf_counter() - t0
-                busy = [t for t in rec.tasks if t.phase in ("F", "B", "I", "W")]
-                span = max(t.stop for t in busy) - min(t.start for t in busy)
-                if i:
-                    walls.append(wall)
-                if i and (best is None or span < best):
-                    best, best_rec = span, rec
-                del loss, grads
-        return float(best), best_rec, min(walls)
-
     for f in f_list:
         for name in SCHEDULES:
-            span, _, wall = span_of(name, 8, f)
+            r = run(client, name, p, 8, f, repeat, "direct")
             ideal = ideal_makespan(name, p, 8, f=f, b=2 * f)
-            out[f"{name}@{f * 1e3:g}ms"] = span / ideal
+            out[f"{name}@{f * 1e3:g}ms"] = r.span / ideal
             if name == "1f1b":
-                out[f"1f1b-wall@{f * 1e3:g}ms"] = wall / ideal
+                out[f"1f1b-wall@{f * 1e3:g}ms"] = r.wall / ideal
     # per hop: a GPipe chain with m = 1 (F0..F3 B3..B0, first and last action on worker 0,
     # so the span is read on one clock): (span - compute) / hops between workers
     hops = []
     for _ in range(3):
-        span, rec, _ = span_of("gpipe", 1, 0.001)
-        busy = sorted((t for t in rec.tasks if t.phase in ("F", "B")), key=lambda t: t.start)
+        r = run(client, "gpipe", p, 1, 0.001, repeat, "direct")
+        busy = sorted((t for t in r.rec.tasks if t.phase in ("F", "B")), key=lambda t: t.start)
         n = sum(a.worker != b.worker for a, b in zip(busy, busy[1:]))
-        hops.append((span - sum(t.stop - t.start for t in busy)) / max(n, 1))
+        hops.append((r.span - sum(t.stop - t.start for t in busy)) / max(n, 1))
     out["hop_ms"] = 1e3 * min(hops)
     client.close()
     cluster.close()

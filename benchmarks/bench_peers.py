@@ -221,15 +221,9 @@ def run_torch(cfg: Cfg, schedule: str, adam: bool, env: dict[str, str]) -> Resul
 # ------------------------------------------------------------------------------ dagdiff
 
 def _dd_loss(params: Any, x: Any, t: Any) -> Any:
-    import dagdiff as dd
-    from common import dense, mse
+    from common import two_stage_loss    # imported here: torch's ranks need no dagdiff
 
-    h = x
-    for i, p in enumerate(params):
-        with dd.stage(i * 2 // len(params)):
-            h = dense(p, h)
-    with dd.stage(1):
-        return mse(h, t)
+    return two_stage_loss(params, x, t)
 
 
 def _pin_all_threads(i: int) -> list[int]:

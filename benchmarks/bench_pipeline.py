@@ -27,6 +27,7 @@ class Run(NamedTuple):
     span: float          # first to last F/B/I/W task
     wall: float          # submit to result
     bubble: float
+    rec: Any = None      # its dd.record recording
 
 
 def run(client: Any, schedule: str, p: int, m: int, f: float, repeat: int,
@@ -47,7 +48,7 @@ def run(client: Any, schedule: str, p: int, m: int, f: float, repeat: int,
             wall = time.perf_counter() - t0
             busy = [t for t in rec.tasks if t.phase in ("F", "B", "I", "W")]
             span = max(t.stop for t in busy) - min(t.start for t in busy)
-            r = Run(span, wall, rec.bubble_fraction().overall)
+            r = Run(span, wall, rec.bubble_fraction().overall, rec)
             if i and (best is None or r.span < best.span):
                 best = r
     assert best is not None

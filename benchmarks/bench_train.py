@@ -15,16 +15,7 @@ import optax
 from distributed import Client
 
 import dagdiff as dd
-from common import dense, mse
-
-
-def loss_fn(params: Any, x: Any, t: Any) -> Any:
-    h = x
-    for i, p in enumerate(params):
-        with dd.stage(i * 2 // len(params)):
-            h = dense(p, h)
-    with dd.stage(1):
-        return mse(h, t)
+from common import two_stage_loss as loss_fn
 
 
 def main() -> None:
