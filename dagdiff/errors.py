@@ -14,6 +14,7 @@ __all__ = [
     "UpstreamError",
     "CheckpointError",
     "ClientClosedError",
+    "ScheduleError",
 ]
 
 
@@ -65,3 +66,8 @@ class CheckpointError(DagdiffError, ValueError):
 
 class ClientClosedError(DagdiffError, RuntimeError):
     """The distributed Client a step would run on was closed."""
+
+
+class ScheduleError(DagdiffError, ValueError):
+    """A pipeline schedule cannot run as asked: bad arguments, an order that misses or
+    repeats actions, or one that deadlocks (the message says how to fix it)."""
