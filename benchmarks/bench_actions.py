@@ -93,7 +93,7 @@ def main() -> None:
                 walls.append(time.perf_counter() - t0)
             del futs
     assert rec is not None
-    slots = dd.cluster.slot_names(client)
+    slots = dd.cluster.info.slot_names(client)
     rows = a.batch // a.microbatches
     print(f"{a.schedule}, {a.microbatches} microbatches of {rows} x {w}; step wall "
           f"{1e3 * statistics.median(walls):.0f} ms (median of {len(walls)})")

@@ -261,7 +261,7 @@ def start_cluster(malloc: str, xla: str, pin: bool) -> tuple[Any, Any]:
     if _PRE_SPAWN is None:
         _PRE_SPAWN = dict(dask.config.get("distributed.nanny.pre-spawn-environ"))
     pre = dict(_PRE_SPAWN)          # as found (and restored after another choice)
-    import dagdiff.cluster as ddc
+    import dagdiff.cluster.local as ddc
 
     # dd.local_cluster's nannies add ddc.WORKER_MALLOC_ENV to the pre-spawn environment
     ddc.WORKER_MALLOC_ENV = {} if malloc != "default" else {"MALLOC_TOP_PAD_": TOP_PAD}
@@ -272,7 +272,7 @@ def start_cluster(malloc: str, xla: str, pin: bool) -> tuple[Any, Any]:
     cluster = dd.local_cluster(n_workers=2, dashboard_address=None, quiet=True, env=env)
     client = Client(cluster)
     if pin:
-        from dagdiff.cluster import slot_names
+        from dagdiff.cluster.info import slot_names
 
         for addr, slot in slot_names(client).items():   # slot<i> -> core i
             client.run(_pin_all_threads, int(slot[4:]), workers=[addr])

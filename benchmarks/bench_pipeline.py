@@ -20,7 +20,7 @@ from distributed import Client
 
 import dagdiff as dd
 from dagdiff.schedules import bubble_formula, get_schedule, ideal_makespan
-from dagdiff.simulated import sleepy_pipeline
+from dagdiff.examples.simulated import sleepy_pipeline
 
 
 class Run(NamedTuple):
@@ -60,7 +60,7 @@ def stand_in_times(f: float, n: int = 7) -> tuple[float, float]:
     alone on a worker: what the schedule formulas call F and B = 2F."""
     import jax
 
-    from dagdiff.simulated import _sleepy_op
+    from dagdiff.examples.simulated import _sleepy_op
 
     op = _sleepy_op(f, f, f)
     fv = jax.jit(lambda p, x: jax.vjp(op, p, x))

@@ -1,36 +1,62 @@
-"""dagdiff: autodiff on a Dask task graph - each layer call is a forward task plus a VJP task."""
+"""dagdiff: autodiff on a Dask task graph - each layer call is a forward task plus a VJP task.
+
+The package, from the bottom up (each layer imports only those below it; CI checks it
+with import-linter, see setup.cfg):
+
+- `errors`: every error type.
+- `core`: the model as data - layers, custom layers, stages, the tracer, the backward
+  plan, fusion, stage balancing (no Dask, no distributed);
+  `schedules`: pipeline schedules as pure data and their simulator (no JAX, no Dask).
+- `runtime`: what runs on the workers - task functions, jit caches, serializers, the
+  scheduler/worker plugins and direct dispatch.
+- `cluster`: where stages run (targets, resident parameters) and `dd.local_cluster`.
+- `lowering`: traced model -> Dask tasks (keys, microbatches, schedule order, graph).
+- `build`: the one build path (trace, prepare, place, lower, assemble).
+- `inspect`: the graph picture, `dd.record` timelines, counters.
+- `api` (`dd.value_and_grad`, `dd.grad`, `dd.trace`) and `train` (`dd.Trainer`,
+  checkpoints): what users call. `kernels`: hand-written kernels with VJP rules;
+  `examples`: the demo, the multimodal model, sleep stand-in stages.
+"""
 from __future__ import annotations
 
-from .api import grad, value_and_grad
-from .cluster import local_cluster
-from .custom import CustomLayer, custom_layer
+from . import kernels
+from .api import grad, trace, value_and_grad
+from .cluster.local import local_cluster
+from .core.custom import CustomLayer, custom_layer
+from .core.keys import KeyInfo, key_info
+from .core.layer import Layer, layer
+from .core.stage import stage
+from .core.tracer import Traced
 from .errors import (
     ArgumentError,
     CheckpointError,
     ClientClosedError,
+    CustomRuleError,
+    CycleError,
     DagdiffError,
     DirectDispatchError,
     KeyFormatError,
     LayerShapeError,
     LayerTypeError,
     MicrobatchError,
+    MissingDependencyError,
     PlacementError,
+    ScheduleError,
     TracerError,
+    TrainerError,
+    UpstreamError,
 )
-from .graph import TracedGraph, trace
-from .inspect_ import record
-from .keys import KeyInfo, key_info
-from .layer import Layer, layer
-from .metrics import peak_live, remat_count, reset_peak_live, reset_remat_count
-from .placement import stage
-from .schedules import Schedule, ScheduleError, get_schedule
-from .serialize import register as _register_serializers
-from .tracer import Traced
-from .train import Trainer, TrainState, load, save
+from .inspect.graph import TracedGraph
+from .inspect.metrics import peak_live, remat_count, reset_peak_live, reset_remat_count
+from .inspect.record import record
+from .runtime.direct import install
+from .runtime.serialize import register as _register_serializers
+from .schedules import Schedule, get_schedule
+from .train.checkpoint import load, save
+from .train.trainer import Trainer, TrainState
+
 
 _register_serializers()
-
-from . import kernels  # noqa: E402  (dd.kernels.bias_gelu etc.; needs the names above)
 
 __version__ = "0.1.0"
 
@@ -38,8 +64,6 @@ __version__ = "0.1.0"
 def dask_setup(worker: object) -> None:
     """Preload hook (``dask worker --preload dagdiff``, and dd.local_cluster's workers):
     install the worker's direct-dispatch runtime before any task arrives."""
-    from .direct import install
-
     install(worker)
 
 
@@ -79,6 +103,11 @@ __all__ = [
     "PlacementError",
     "MicrobatchError",
     "DirectDispatchError",
+    "UpstreamError",
     "CheckpointError",
     "ClientClosedError",
+    "CustomRuleError",
+    "CycleError",
+    "TrainerError",
+    "MissingDependencyError",
 ]

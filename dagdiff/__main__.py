@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import sys
 
-from .demo import main
+from .examples.demo import main
+
 
 if __name__ == "__main__":
     sys.exit(main())

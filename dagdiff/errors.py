@@ -1,6 +1,7 @@
 """Error types raised by dagdiff: built-in subclasses that state the facts and a fix."""
 from __future__ import annotations
 
+
 __all__ = [
     "DagdiffError",
     "LayerShapeError",
@@ -15,6 +16,10 @@ __all__ = [
     "CheckpointError",
     "ClientClosedError",
     "ScheduleError",
+    "CustomRuleError",
+    "CycleError",
+    "TrainerError",
+    "MissingDependencyError",
 ]
 
 
@@ -46,8 +51,9 @@ class MicrobatchError(DagdiffError, ValueError):
     """A batch argument cannot be split into the requested microbatches."""
 
 
-class ArgumentError(DagdiffError, ValueError):
-    """An argument or option of a dagdiff call is out of range or of the wrong kind."""
+class ArgumentError(DagdiffError, ValueError, TypeError):
+    """An argument or option of a dagdiff call is out of range or of the wrong kind (both a
+    ValueError and a TypeError, so either ``except`` catches it)."""
 
 
 class DirectDispatchError(DagdiffError, RuntimeError):
@@ -71,3 +77,25 @@ class ClientClosedError(DagdiffError, RuntimeError):
 class ScheduleError(DagdiffError, ValueError):
     """A pipeline schedule cannot run as asked: bad arguments, an order that misses or
     repeats actions, or one that deadlocks (the message says how to fix it)."""
+
+
+class CustomRuleError(DagdiffError, ValueError):
+    """A custom layer's fwd/bwd rule returned something of the wrong structure, shape or
+    dtype: not ``(out, residuals)``, or cotangents that do not match its inputs."""
+
+
+class CycleError(DagdiffError, ValueError):
+    """The dependencies close a cycle; `stuck` holds the keys on or behind it."""
+
+    def __init__(self, stuck: frozenset[str]) -> None:
+        self.stuck = stuck
+        super().__init__(f"the task graph has a cycle through {', '.join(sorted(stuck)[:4])}")
+
+
+class TrainerError(DagdiffError, RuntimeError):
+    """A `dd.Trainer` was used out of order (e.g. a step before `init`)."""
+
+
+class MissingDependencyError(DagdiffError, ImportError):
+    """A feature needs an optional package that is not installed (the message names the
+    pip extra that installs it)."""

@@ -26,7 +26,7 @@ def _cluster_client(n: int) -> Iterator[Any]:
     from distributed import Client
 
     import dagdiff as dd
-    from dagdiff.colocate import ensure_colocation
+    from dagdiff.runtime.plugins import ensure_colocation
 
     cluster = dd.local_cluster(n_workers=n, env=WORKER_ENV, dashboard_address=None, quiet=True)
     client = Client(cluster, set_as_default=False)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import dagdiff as dd
-from dagdiff.cluster import WORKER_MALLOC_ENV
+from dagdiff.cluster.local import WORKER_MALLOC_ENV
 from tests.test_pipeline import close, data, make_loss
 
 
@@ -35,7 +35,7 @@ def test_workers_start_with_the_top_pad_and_keep_it_after_a_restart() -> None:
         client.wait_for_workers(1, timeout=60)
         (env,) = client.run(_env).values()
         assert env["MALLOC_TOP_PAD_"] == WORKER_MALLOC_ENV["MALLOC_TOP_PAD_"]
-        assert list(dd.cluster.slot_names(client).values()) == ["slot0"]
+        assert list(dd.cluster.info.slot_names(client).values()) == ["slot0"]
     finally:
         client.close()
         cluster.close()
@@ -76,7 +76,7 @@ def test_the_cluster_keeps_its_size_through_30_kills() -> None:
                     raise AssertionError(f"kill {i}: workers {sorted(workers)}")
             time.sleep(2.0)                        # past the (1 s) lost-worker timeout
         assert len(cluster.workers) == 2
-        assert sorted(dd.cluster.slot_names(client).values()) == ["slot0", "slot1"]
+        assert sorted(dd.cluster.info.slot_names(client).values()) == ["slot0", "slot1"]
         loss_fn = make_loss(2)
         params, x, t = data(2)
         with client.as_current():

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import dagdiff as dd
-from dagdiff.direct import Action as DirectAction, Program, linearize, run_program
-from dagdiff.direct import runtime as rt_mod
-from dagdiff.direct.messages import Value, pack
+from dagdiff.runtime.direct import Action as DirectAction, Program, linearize, run_program
+from dagdiff.runtime.direct import runtime as rt_mod
+from dagdiff.runtime.direct.messages import Value, pack
 from dagdiff.schedules import Action
 from tests.test_pipeline import close, data, make_loss
 
@@ -57,7 +57,7 @@ def test_linearize_rejects_an_order_that_would_deadlock() -> None:
 
 def test_plan_programs_is_pure_and_sends_only_what_is_read() -> None:
     """The planning module takes plain dicts (no Dask): two workers, one microbatch."""
-    from dagdiff.direct.plan import Consumers, plan_programs
+    from dagdiff.runtime.direct.plan import Consumers, plan_programs
 
     deps = {"x": [], "F0": ["x"], "F1": ["F0"], "B1": ["F1"], "B0": ["B1", "F0"],
             "acc0": ["B0"], "loss": ["F1"]}
@@ -85,7 +85,7 @@ def test_the_planning_modules_import_nothing_from_dask_or_jax() -> None:
     import dagdiff
 
     root = pathlib.Path(dagdiff.__file__).parent
-    for rel in ("direct/plan.py", "dag.py", "errors.py"):
+    for rel in ("runtime/direct/plan.py", "core/dag.py", "errors.py"):
         tree = ast.parse((root / rel).read_text())
         names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
@@ -278,7 +278,7 @@ def _waiting(client: Any, within: float = 10.0) -> int:
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_a_cancelled_step_frees_its_waiting_tasks(client2: Any) -> None:
-    from dagdiff.simulated import sleepy_pipeline
+    from dagdiff.examples.simulated import sleepy_pipeline
 
     fn = sleepy_pipeline(2, 0.3)          # 0.3 s forwards: the step is still running
     params = [jnp.float32(1.0)] * 2
@@ -305,7 +305,7 @@ def inproc() -> Any:
     cluster = dd.local_cluster(n_workers=2, dashboard_address=None, quiet=True,
                                processes=False)
     client = Client(cluster, set_as_default=False)
-    from dagdiff.colocate import ensure_colocation
+    from dagdiff.runtime.plugins import ensure_colocation
 
     ensure_colocation(client)
     yield client
@@ -314,7 +314,8 @@ def inproc() -> Any:
 
 
 def _addresses(client: Any) -> list[str]:
-    return sorted(dd.cluster.slot_names(client), key=lambda a: dd.cluster.slot_names(client)[a])
+    slots = dd.cluster.info.slot_names(client)
+    return sorted(slots, key=slots.__getitem__)
 
 
 def _submit(client: Any, prog: Program, address: str, nonce: str = "n1") -> Any:
@@ -323,7 +324,7 @@ def _submit(client: Any, prog: Program, address: str, nonce: str = "n1") -> Any:
 
 
 def test_a_missing_input_times_out_with_the_facts(inproc: Any) -> None:
-    from dagdiff.taskspec import Task, TaskRef
+    from dagdiff.runtime.taskspec import Task, TaskRef
 
     a0, a1 = _addresses(inproc)
     src = "fwd_dense-s0-m0-n0-abc"
@@ -353,7 +354,7 @@ def test_a_program_built_for_another_worker_refuses_to_run(inproc: Any) -> None:
 
 @pytest.mark.distributed
 def test_a_dead_producer_is_noticed_while_waiting(client2: Any) -> None:
-    from dagdiff.taskspec import Task, TaskRef
+    from dagdiff.runtime.taskspec import Task, TaskRef
 
     with socket_closed_port() as port:     # a port nobody listens on any more
         pass
@@ -384,8 +385,8 @@ def _fails(x: Any) -> Any:
 def test_a_failed_program_does_not_wait_to_tell_unreachable_consumers(client2: Any) -> None:
     """A failed program queues its error notices and returns: 30 actions whose consumer
     cannot be reached cost nothing."""
-    from dagdiff.direct.runtime import Remote
-    from dagdiff.taskspec import Task
+    from dagdiff.runtime.direct.runtime import Remote
+    from dagdiff.runtime.taskspec import Task
 
     with socket_closed_port() as port:
         pass
@@ -731,7 +732,7 @@ def test_a_worker_lost_mid_step_fails_the_step_in_seconds() -> None:
     the step at once, "lost scattered data".)"""
     from distributed import Client
 
-    from dagdiff.simulated import sleepy_pipeline
+    from dagdiff.examples.simulated import sleepy_pipeline
 
     cluster = dd.local_cluster(n_workers=2, dashboard_address=None, quiet=True)
     client = Client(cluster, set_as_default=False)
@@ -745,7 +746,7 @@ def test_a_worker_lost_mid_step_fails_the_step_in_seconds() -> None:
             deadline = time.time() + 30
             while sum(client.run(_running).values()) < 2 and time.time() < deadline:
                 time.sleep(0.05)
-            slots = dd.cluster.slot_names(client)
+            slots = dd.cluster.info.slot_names(client)
             victim = next(a for a, name in slots.items() if name.endswith("1"))
             t0 = time.perf_counter()
             client.run(_exit_process, workers=[victim])
@@ -773,7 +774,7 @@ def test_a_worker_lost_mid_step_fails_the_step_in_seconds() -> None:
 def test_only_the_leaves_a_remote_worker_reads_are_sent() -> None:
     """A VJP result holds the weight gradients (read by the stage's accumulator) and
     the input cotangent (read by the previous stage); only the latter travels."""
-    from dagdiff.tasks import leaves_read
+    from dagdiff.runtime.tasks import leaves_read
 
     loss_fn = make_loss(2)
     params, x, t = data(2)

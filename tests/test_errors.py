@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import dagdiff as dd
-from dagdiff.custom import CustomRuleError
+from dagdiff import CustomRuleError
 from tests import models as M
 
 KEY = jax.random.PRNGKey(0)

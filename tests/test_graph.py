@@ -42,7 +42,7 @@ def test_key_prefixes_name_phase_and_layer() -> None:
 
 
 def test_key_info_round_trip_and_errors() -> None:
-    from dagdiff.keys import make_key
+    from dagdiff.core.keys import make_key
 
     k = make_key("W", "block_2", 7, "abc123", stage=3, microbatch=5)
     assert key_split(k) == "wgrad_block_2"
@@ -310,14 +310,14 @@ def test_by_value_layers_compile_once_per_worker(client2: Any) -> None:
         "def loss(ps, x, t):\n    h = x\n    for p in ps:\n        h = cell_dense(p, h)\n"
         "    return cell_mse(h, t)\n", mod.__dict__)
     params, x, t = setup([5, 5, 5, 5, 5])      # 4 dense calls + 1 mse call per step
-    before = dd.metrics.compile_counts(client2)
+    before = dd.inspect.metrics.compile_counts(client2)
     sigs: set[str] = set()
     for i in range(4):
         loss, grads = dd.value_and_grad(mod.loss)(params, x + i, t)
         g = loss.__dask_graph__()
         sigs |= {g[k].args[0].fingerprint for k in g if dd.key_info(k).phase == "F"}
         client2.compute([loss, grads], sync=True)
-    after = dd.metrics.compile_counts(client2)
+    after = dd.inspect.metrics.compile_counts(client2)
     new = sum(after[w] - before.get(w, 0) for w in after if w != "local")
     # signatures: first dense (input not differentiated), other dense, mse
     assert len(sigs) == 3

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 import dagdiff as dd
-from dagdiff.inspect_ import PHASE_COLORS
+from dagdiff.inspect.record import PHASE_COLORS
 from tests.test_pipeline import data, make_loss
 
 
@@ -64,7 +64,7 @@ def test_the_graph_picture_needs_no_graphviz_binary(tmp_path: Any, monkeypatch: 
     bands = [e for e in root.iter(f"{ns}rect") if e.get("class") == "stage"]
     assert len(bands) == len({dd.key_info(k).stage for k in g.dsk})
     assert "<svg" in g._repr_html_()
-    with pytest.raises(RuntimeError, match="draws the picture without it"):
+    with pytest.raises(dd.MissingDependencyError, match="draws the picture without it"):
         g.visualize(str(tmp_path / "graph.png"))
 
 
@@ -159,7 +159,7 @@ def test_the_interactive_timeline_has_every_task_once(tmp_path: Any) -> None:
 @pytest.mark.slow
 def test_measured_bubble_matches_formula(client4: Any) -> None:
     from dagdiff.schedules import bubble_formula
-    from dagdiff.simulated import sleepy_pipeline
+    from dagdiff.examples.simulated import sleepy_pipeline
 
     p, m, f = 4, 4, 0.15
     fn = sleepy_pipeline(p, f)

@@ -111,7 +111,7 @@ def test_custom_rule_errors_name_the_kernel() -> None:
     x, w = jnp.ones((2, 4)), jnp.ones(4)
     loss, grads = dd.value_and_grad(lambda w, x: dd.kernels.softmax_cross_entropy(
         scale(x, w), jnp.zeros(2, jnp.int32)))(w, x)
-    with pytest.raises(dd.custom.CustomRuleError,
+    with pytest.raises(dd.CustomRuleError,
                        match=r"scale_kernel.*float32\[3\].*float32\[4\]"):
         dask.compute(grads, scheduler="sync")
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import dagdiff as dd
-from dagdiff.cluster import slot_names
+from dagdiff.cluster.info import slot_names
 from tests import models as M
 
 KEY = jax.random.PRNGKey(3)
@@ -178,7 +178,7 @@ def wide(p: Any, x: Any) -> Any:
 
 
 def test_auto_stages_balance_by_cost() -> None:
-    from dagdiff.placement import balanced_split, node_costs
+    from dagdiff.core.auto import balanced_split, node_costs
 
     widths = [256, 8, 8, 8, 8, 8, 256, 8]        # layers of very unequal cost
 
@@ -190,7 +190,7 @@ def test_auto_stages_balance_by_cost() -> None:
 
     ps = [{"w1": jnp.ones((16, w)) * 0.01, "w2": jnp.ones((w, 16)) * 0.01} for w in widths]
     x = jnp.ones((64, 16))
-    from dagdiff.api import trace_call
+    from dagdiff.core.trace_fn import trace_call
 
     trace, _, _ = trace_call(loss_fn, (ps, x), {}, (0,), "loss_fn")
     costs = node_costs(trace)

@@ -237,7 +237,7 @@ def test_schedule_attributes() -> None:
     assert ZeroBubbleH1.split_backward and not OneFOneB.split_backward
     assert Interleaved().virtual_stages == 2 and Interleaved(3).virtual_stages == 3
     assert GPipe().virtual_stages == 1
-    assert set(SCHEDULES) == {"gpipe", "1f1b", "interleaved", "zb-h1"}
+    assert {"gpipe", "1f1b", "interleaved", "zb-h1"} <= set(SCHEDULES)
 
 
 def test_get_schedule() -> None:

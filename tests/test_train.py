@@ -105,7 +105,7 @@ def test_params_and_opt_state_stay_on_workers(client2: Any, monkeypatch: Any) ->
 
     client2.gather(list(state.placed.values()))   # wait: the last update may still run
     who = client2.who_has(list(state.placed.values()))
-    slots = dd.cluster.slot_names(client2)
+    slots = dd.cluster.info.slot_names(client2)
     for (r, g), fut in state.placed.items():
         (addr,) = who[fut.key]
         assert slots[addr] == f"slot{g}"

@@ -8,8 +8,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..layer import layer
-from ..placement import stage
+from ..core.layer import layer
+from ..core.stage import stage
+
 
 __all__ = ["init_params", "clip_loss_fn", "make_batch", "TEXT_STAGE", "VISION_STAGES"]
 

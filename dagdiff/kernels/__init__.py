@@ -14,6 +14,7 @@ import numpy as np
 from . import cuda_impl, numpy_impl, reference
 from .cuda_impl import gpu_available, to_cupy, to_jax
 
+
 __all__ = [
     "KERNELS",
     "KernelSpec",
@@ -363,7 +364,8 @@ KERNELS: dict[str, KernelSpec] = {
 
 
 # --- the kernels as dagdiff layers -------------------------------------------------------
-from ..custom import CustomLayer, custom_layer  # noqa: E402
+from ..core.custom import CustomLayer, custom_layer  # noqa: E402
+
 
 #: tanh-approximate GELU of ``x + b``; ``dd.kernels.bias_gelu(x, b)``
 bias_gelu: CustomLayer = custom_layer(KERNELS["bias_gelu"].fwd, KERNELS["bias_gelu"].bwd,

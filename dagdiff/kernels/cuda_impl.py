@@ -6,7 +6,9 @@ import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import jax.dlpack
 import numpy as np
+
 
 if TYPE_CHECKING:  # pragma: no cover - typing only; cupy is imported lazily at run time
     import cupy
@@ -77,8 +79,6 @@ def to_cupy(x: Any) -> cupy.ndarray:
 
 def to_jax(x: Any) -> Any:
     """Wrap a CuPy array as a JAX array through DLPack (zero-copy on the same GPU)."""
-    import jax.dlpack
-
     return jax.dlpack.from_dlpack(x)
 
 

@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+
 __all__ = [
     "bias_gelu_fwd",
     "bias_gelu_bwd",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+
 __all__ = ["bias_gelu_ref", "softmax_cross_entropy_ref", "layer_norm_ref"]
 
 

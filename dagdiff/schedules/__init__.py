@@ -4,24 +4,32 @@ from __future__ import annotations
 
 from ..errors import ScheduleError
 from .action import ACTION_KINDS, Action, parse_action
-from .base import Schedule
+from .base import Schedule, interleaved_layout, v_layout
 from .builtin import SCHEDULES, GPipe, Interleaved, OneFOneB, ZeroBubbleH1, get_schedule
+from .multichunk import DualPipeV, InterleavedZeroBubble, LoopedBFS, ZeroBubbleV
 from .simulate import SimResult, bubble_formula, ideal_makespan, simulate
+
 
 __all__ = [
     "ACTION_KINDS",
     "Action",
+    "DualPipeV",
     "GPipe",
     "Interleaved",
+    "InterleavedZeroBubble",
+    "LoopedBFS",
     "OneFOneB",
     "SCHEDULES",
     "Schedule",
     "ScheduleError",
     "SimResult",
     "ZeroBubbleH1",
+    "ZeroBubbleV",
     "bubble_formula",
     "get_schedule",
     "ideal_makespan",
+    "interleaved_layout",
     "parse_action",
     "simulate",
+    "v_layout",
 ]

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from ..errors import ScheduleError
 
+
 __all__ = ["ACTION_KINDS", "Action", "parse_action", "order_key"]
 
 ACTION_KINDS = ("F", "B", "I", "W")
@@ -16,7 +17,6 @@ _ACTION_RE = re.compile(r"^\s*([FBIW])(\d+)(?:\.(\d+))?\s*$")
 
 def order_key(a: "Action") -> tuple[int, int, int]:
     return (a.chunk, a.microbatch, "FBIW".index(a.kind))
-
 
 
 @dataclass(frozen=True)
@@ -55,4 +55,3 @@ def parse_action(text: str) -> Action:
         )
     kind, mb, chunk = match.groups()
     return Action(kind, int(mb), int(chunk) if chunk is not None else 0)
-

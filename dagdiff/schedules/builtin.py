@@ -1,11 +1,23 @@
-"""The built-in schedules (GPipe, 1F1B, interleaved 1F1B, ZB-H1) and `get_schedule`."""
+"""The built-in schedules (GPipe, 1F1B, interleaved 1F1B, ZB-H1, and from `multichunk`
+looped BFS, interleaved zero bubble, ZB-V, DualPipeV) and `get_schedule`."""
 from __future__ import annotations
+
+import inspect
 
 from ..errors import ScheduleError
 from .action import Action
-from .base import Schedule, is_pos_int, schedule_error
+from .base import Schedule, schedule_error
+from .multichunk import (
+    DualPipeV,
+    InterleavedZeroBubble,
+    LoopedBFS,
+    ZeroBubbleV,
+    check_virtual_stages,
+)
 
-__all__ = ["GPipe", "OneFOneB", "Interleaved", "ZeroBubbleH1", "SCHEDULES", "get_schedule"]
+
+__all__ = ["GPipe", "OneFOneB", "Interleaved", "ZeroBubbleH1", "LoopedBFS",
+           "InterleavedZeroBubble", "ZeroBubbleV", "DualPipeV", "SCHEDULES", "get_schedule"]
 
 
 class GPipe(Schedule):
@@ -63,13 +75,7 @@ class Interleaved(Schedule):
     name = "interleaved"
 
     def __init__(self, virtual_stages: int = 2) -> None:
-        if not is_pos_int(virtual_stages) or virtual_stages < 2:
-            raise ScheduleError(
-                f"'interleaved' schedule: virtual_stages must be an int >= 2, got "
-                f"{virtual_stages!r}; fix: pass virtual_stages=2 (or more), or use the "
-                f"'1f1b' schedule for one model chunk per worker"
-            )
-        self.virtual_stages = virtual_stages
+        self.virtual_stages = check_virtual_stages(self.name, virtual_stages, "1f1b")
 
     def validate(self, num_stages: int, microbatches: int) -> None:
         super().validate(num_stages, microbatches)
@@ -160,9 +166,21 @@ SCHEDULES: dict[str, type[Schedule]] = {
     OneFOneB.name: OneFOneB,
     Interleaved.name: Interleaved,
     ZeroBubbleH1.name: ZeroBubbleH1,
+    LoopedBFS.name: LoopedBFS,
+    InterleavedZeroBubble.name: InterleavedZeroBubble,
+    ZeroBubbleV.name: ZeroBubbleV,
+    DualPipeV.name: DualPipeV,
 }
 
-_ALIASES = {"zbh1": "zb-h1", "zb_h1": "zb-h1"}
+_ALIASES = {
+    "zbh1": "zb-h1", "zb_h1": "zb-h1",
+    "zbv": "zb-v", "zb_v": "zb-v",
+    "dualpipe-v": "dualpipev", "dualpipe_v": "dualpipev",
+    "looped_bfs": "looped-bfs", "loopedbfs": "looped-bfs",
+    "interleaved_zb": "interleaved-zb", "interleavedzb": "interleaved-zb",
+}
+_TAKE_VIRTUAL_STAGES = ", ".join(repr(name) for name, cls in SCHEDULES.items()
+                                 if "virtual_stages" in inspect.signature(cls).parameters)
 
 
 def get_schedule(name_or_schedule: str | Schedule, **kwargs: object) -> Schedule:
@@ -185,13 +203,13 @@ def get_schedule(name_or_schedule: str | Schedule, **kwargs: object) -> Schedule
     if cls is None:
         raise ScheduleError(
             f"unknown schedule {name_or_schedule!r}; fix: use one of "
-            f"{', '.join(SCHEDULES)} (also 'zbh1'/'zb_h1'), or pass a Schedule instance"
+            f"{', '.join(SCHEDULES)} (also {'/'.join(repr(a) for a in _ALIASES)}), or "
+            f"pass a Schedule instance"
         )
     try:
         return cls(**kwargs)
     except TypeError as exc:
         raise ScheduleError(
             f"{key!r} schedule does not accept {sorted(kwargs)}: {exc}; fix: drop them "
-            f"(only 'interleaved' takes virtual_stages)"
+            f"(only {_TAKE_VIRTUAL_STAGES} take virtual_stages)"
         ) from None
-

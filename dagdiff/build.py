@@ -1,0 +1,352 @@
+"""The one build path: trace a loss function, prepare the trace (stages, fusion), derive
+the backward, place the stages, lower to tasks and assemble the Dask graph.
+
+`dd.value_and_grad`, `dd.grad` and `dd.trace` call `build`; `dd.Trainer` shares its
+first half (`trace_model`, `targets_and_inputs`) and its last step (`assemble`), with
+its own lowering of replicas, all-reduce and updates in between (`dagdiff.train`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gc
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+from dask.base import tokenize
+from dask.highlevelgraph import HighLevelGraph
+
+from .cluster.info import workers_info
+from .cluster.residency import resident_inputs
+from .cluster.targets import Targets, resolve_targets
+from .core.auto import auto_stages
+from .core.backward import BackwardPlan, build_backward
+from .core.fuse import fuse_trace
+from .core.microbatch import microbatch_avals
+from .core.stage import check_stage
+from .core.trace_fn import argnames, argnums_of, check_loss, is_input, split_aux, trace_call
+from .core.tracer import Trace, Traced, home_stages, is_array
+from .errors import ArgumentError, LayerShapeError
+from .lowering.graph import OutKey, assemble, to_delayed
+from .lowering.lower import lower, select, trace_token
+from .lowering.pipeline import lower_pipeline, stage_workers
+from .runtime.plugins import ensure_colocation
+from .schedules import Schedule, get_schedule
+
+
+__all__ = ["Options", "Model", "Build", "build", "trace_model", "targets_and_inputs",
+           "resolve_dispatch", "step_token", "without_gc", "DISPATCH_MODES"]
+
+log = logging.getLogger(__name__)
+
+DISPATCH_MODES = ("direct", "scheduler")
+
+
+def _pos_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+@dataclass(frozen=True)
+class Options:
+    """The options of a build, validated once (`Options.make`): what `dd.value_and_grad`
+    and `dd.Trainer` take as keywords. `schedule` is resolved (None: no pipeline);
+    `fuse` is resolved (None means: fuse pipelines, nothing else)."""
+
+    argnums: int | tuple[int, ...] = 0
+    has_aux: bool = False
+    microbatches: int = 1
+    schedule: Schedule | None = None
+    batch_argnums: tuple[int, ...] | None = None
+    batch_axis: int = 0
+    stages: int | str | None = None
+    placement: tuple[tuple[int, Any], ...] = ()
+    fuse: bool = False
+    resident: bool = True
+    dispatch: str | None = None
+
+    @classmethod
+    def make(cls, where: str, *, argnums: int | Sequence[int] = 0, has_aux: bool = False,
+             microbatches: int = 1, schedule: Any = None,
+             batch_argnums: Sequence[int] | None = None, batch_axis: int = 0,
+             stages: int | str | None = None, placement: Mapping[int, Any] | None = None,
+             fuse: bool | None = None, resident: bool = True,
+             dispatch: str | None = None) -> "Options":
+        """Validate the keywords of `where` (e.g. ``"dd.value_and_grad"``)."""
+        if not _pos_int(microbatches):
+            raise ArgumentError(f"{where}: microbatches must be a positive int, got "
+                                f"{microbatches!r}")
+        if dispatch not in (None, *DISPATCH_MODES):
+            raise ArgumentError(f"{where}: dispatch must be 'direct', 'scheduler' or None, got "
+                                f"{dispatch!r}")
+        if not (stages is None or stages == "auto" or _pos_int(stages)):
+            raise ArgumentError(f"{where}: stages must be 'auto', a positive int or None, got "
+                                f"{stages!r}")
+        if not isinstance(batch_axis, int) or isinstance(batch_axis, bool):
+            raise ArgumentError(f"{where}: batch_axis must be an int, got {batch_axis!r}")
+        if placement is not None and not isinstance(placement, Mapping):
+            raise ArgumentError(f"{where}: placement must be a dict {{stage: slot}}, got "
+                                f"{type(placement).__name__}")
+        for s in placement or {}:
+            check_stage(s, "a key of placement")
+        pipelined = microbatches > 1 or schedule is not None
+        sched = get_schedule(schedule if schedule is not None else "1f1b") if pipelined else None
+        nums = argnums if isinstance(argnums, int) else tuple(argnums)
+        bnums = None if batch_argnums is None else (
+            (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums))
+        return cls(nums, bool(has_aux), microbatches, sched, bnums, batch_axis, stages,
+                   tuple(sorted((placement or {}).items())),
+                   pipelined if fuse is None else bool(fuse), bool(resident), dispatch)
+
+    @property
+    def pipelined(self) -> bool:
+        return self.schedule is not None
+
+    def token(self) -> tuple[Any, ...]:
+        """What of the options is part of a step's task keys."""
+        return (self.argnums, self.has_aux, self.fuse, self.microbatches,
+                repr(self.schedule), self.batch_axis)
+
+
+@dataclass(frozen=True)
+class Model:
+    """A traced and prepared loss function, before placement: the trace (stages assigned,
+    runs fused), its backward plan, the loss/aux values, the traced differentiated
+    arguments, and, for a pipeline, the full-batch value of each microbatched input
+    node (`batch`)."""
+
+    name: str
+    trace: Trace
+    plan: BackwardPlan
+    loss: Traced
+    aux: Any
+    diff_args: tuple[Any, ...]
+    argnums: tuple[int, ...]
+    batch_argnums: tuple[int, ...]
+    batch: Mapping[int, Any]
+
+    @property
+    def stages(self) -> set[int]:
+        return {n.stage for n in self.trace.nodes if n.kind == "call" and n.stage is not None}
+
+
+@dataclass(frozen=True)
+class Build:
+    """One built step: the model, where its stages run, the Dask graph and the keys of its
+    outputs (`keys`: (loss, aux, grads) with `OutKey` leaves)."""
+
+    model: Model
+    options: Options
+    targets: Targets
+    graph: HighLevelGraph
+    keys: tuple[Any, Any, Any]
+    token: str
+    dispatch: str
+
+    def outputs(self) -> tuple[Any, Any]:
+        """What `value_and_grad` returns: ``(loss, grads)`` (``((loss, aux), grads)`` with
+        has_aux), Delayed objects over the one graph."""
+        lk, ak, gk = to_delayed(self.graph, self.keys)
+        grads = gk[0] if isinstance(self.options.argnums, int) else tuple(gk)
+        return ((lk, ak) if self.options.has_aux else lk), grads
+
+
+def without_gc(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Pause the cyclic garbage collector while building a graph: building allocates many
+    small objects, and collections of a large heap (jax, dask, distributed loaded) cost
+    more than the building itself."""
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if was:
+                gc.enable()
+    return run
+
+
+def trace_model(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
+                options: Options, client: Any, *, splits: int | None = None) -> Model:
+    """Trace `fn(*args, **kwargs)` and prepare it: the first half of every build.
+
+    With a pipeline (or `splits`, the Trainer's replicas x microbatches), the batch
+    arguments are traced as one microbatch's shapes; the full values are kept in
+    `Model.batch`."""
+    fname = getattr(fn, "__name__", "fn")
+    nums = argnums_of(options.argnums, len(args), fname)
+    names = argnames(fn, len(args))
+    m = splits if splits is not None else options.microbatches
+    if options.pipelined or splits is not None:
+        batch_nums = (tuple(i for i in range(len(args)) if i not in nums)
+                      if options.batch_argnums is None
+                      else argnums_of(options.batch_argnums, len(args), fname, "batch_argnums"))
+        traced_args = microbatch_avals(args, names, batch_nums, options.batch_axis, m)
+    else:
+        batch_nums, traced_args = (), list(args)
+    try:
+        trace, out, targs = trace_call(fn, tuple(traced_args), dict(kwargs), nums, fname)
+    except LayerShapeError as e:
+        if batch_nums:
+            _note_split(e, args, kwargs, names, batch_nums, nums, options.batch_axis, m)
+        raise
+    loss, aux = split_aux(out, options.has_aux, fname)
+    loss = check_loss(loss, trace, fname)
+    # full-batch values of the placeholder inputs (input nodes are made in argument order)
+    batch: dict[int, Any] = {}
+    it = iter(n for n in trace.nodes if n.kind != "call")
+    for orig, traced in zip(args, traced_args):
+        for o, x in zip(jax.tree_util.tree_leaves(orig), jax.tree_util.tree_leaves(traced)):
+            if is_input(x):
+                node = next(it)
+                if isinstance(x, jax.ShapeDtypeStruct) and not isinstance(
+                        o, jax.ShapeDtypeStruct):
+                    batch[node.index] = o
+    trace, loss, aux = _prepare(trace, loss, aux, client, options)
+    plan = build_backward(trace, loss)
+    return Model(fname, trace, plan, loss, aux, tuple(targs), nums, tuple(batch_nums), batch)
+
+
+def _note_split(e: BaseException, args: Sequence[Any], kwargs: Mapping[str, Any],
+                names: Sequence[str], batch: Sequence[int], nums: Sequence[int], axis: int,
+                m: int) -> None:
+    """Say, on a shape error of a microbatched trace, what was split and what was not."""
+    unsplit = [f"{k}=" for k, v in kwargs.items()
+               if any(map(is_array, jax.tree_util.tree_leaves(v)))]
+    unsplit += [repr(names[i]) for i in range(len(args))
+                if i not in batch and i not in nums
+                and any(map(is_array, jax.tree_util.tree_leaves(args[i])))]
+    if unsplit:
+        e.add_note(f"dagdiff: split into {m} microbatches along axis {axis}: "
+                   f"{', '.join(repr(names[i]) for i in batch) or 'nothing'}; passed whole "
+                   f"to every microbatch: {', '.join(unsplit)} (keyword arguments are never "
+                   "split; choose with batch_argnums=)")
+
+
+def _prepare(trace: Trace, loss: Traced, aux: Any, client: Any,
+             options: Options) -> tuple[Trace, Traced, Any]:
+    """Apply stages="auto"/int and fusion to a fresh trace; remaps loss and aux."""
+    if options.stages is not None:
+        n = options.stages if options.stages != "auto" else (
+            len(workers_info(client)) if client is not None else len(jax.local_devices()))
+        trace = auto_stages(trace, n)
+    if options.fuse:
+        keep = {(loss.node, loss.leaf)}
+        keep |= {(v.node, v.leaf) for v in jax.tree_util.tree_leaves(aux)
+                 if isinstance(v, Traced)}
+        trace, remap = fuse_trace(trace, keep)
+        loss = remap[(loss.node, loss.leaf)]
+        aux = jax.tree_util.tree_map(
+            lambda v: remap[(v.node, v.leaf)] if isinstance(v, Traced) else v, aux)
+    return trace, loss, aux
+
+
+def targets_and_inputs(trace: Trace, stages: set[int], client: Any, options: Options
+                       ) -> tuple[Targets, dict[int, tuple[Any, int]]]:
+    """Resolve stage targets (a pipeline's stages where its schedule's layout puts them)
+    and, with a client, scatter resident parameters (once)."""
+    default = (stage_workers(options.schedule, max(stages) + 1)
+               if options.pipelined and stages else None)
+    targets = resolve_targets(stages, client, dict(options.placement), default)
+    inputs: dict[int, tuple[Any, int]] = {}
+    if client is not None:
+        ensure_colocation(client)
+        if options.resident:
+            inputs = resident_inputs(trace, client, targets, home_stages(trace))
+    return targets, inputs
+
+
+def resolve_dispatch(dispatch: str | None, client: Any, targets: Targets) -> str:
+    """'direct' or 'scheduler' for a pipeline step (None: direct on a cluster, where
+    dagdiff's worker plugin gives every worker its direct-dispatch runtime; any comm:
+    tcp, tls, inproc, UCX)."""
+    if client is None or targets.kind not in ("slots", "workers") or dispatch == "scheduler":
+        return "scheduler"
+    if not ensure_colocation(client):  # dagdiff cannot be loaded on the workers
+        if dispatch == "direct":
+            log.warning("dagdiff: dispatch='direct' needs dagdiff importable on every worker "
+                        "(its worker plugin could not be registered); using "
+                        "dispatch='scheduler'.")
+        return "scheduler"
+    return "direct"
+
+
+def step_token(trace: Trace, *parts: Any) -> str:
+    """A step's token: the trace's structure and input values, plus `parts` (options,
+    the keys of resident Futures, full batch values, worker addresses...). A key names
+    one computation: new arrays, new keys; the same step again, the same keys."""
+    return tokenize(trace_token(trace, parts[:1]), *parts[1:],
+                    ensure_deterministic=False)[:16]
+
+
+def input_keys(inputs: Mapping[int, Any]) -> tuple[str, ...]:
+    """The Dask keys of a step's resident inputs (Futures): part of its token, so a key
+    names one computation over those very values (new arrays, new keys)."""
+    return tuple(sorted(str(getattr(v[0], "key", v[0])) for v in inputs.values()))
+
+
+def program_homes(mode: str, targets: Targets) -> tuple[Any, ...]:
+    """Direct dispatch: the worker addresses a step's programs are built for (part of its
+    token: after a worker was replaced, the step built again gets new keys)."""
+    if mode != "direct":
+        return ()
+    return tuple(sorted((str(k), str(v)) for k, v in targets.addresses.items()))
+
+
+@without_gc
+def build(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
+          options: Options, client: Any = None) -> Build:
+    """Build one step of `fn` on `args`: the `Build` holds the graph and output keys."""
+    model = trace_model(fn, args, kwargs, options, client)
+    trace = model.trace
+    targets, inputs = targets_and_inputs(trace, model.stages, client, options)
+    devices = dict(targets.of) if targets.kind == "devices" else None
+    home = home_stages(trace)
+    mode = resolve_dispatch(options.dispatch, client, targets) if options.pipelined \
+        else "scheduler"
+    token = step_token(trace, options.token(), tuple(sorted(model.batch)),
+                       *model.batch.values(), mode, input_keys(inputs),
+                       program_homes(mode, targets))
+
+    def grad_keys(grads: Mapping[int, str]) -> list[Any]:
+        return [jax.tree_util.tree_map(
+            lambda v: OutKey(grads[v.node]) if isinstance(v, Traced) and v.node in grads
+            else None, a, is_leaf=lambda x: x is None) for a in model.diff_args]
+
+    if options.pipelined:
+        pg = lower_pipeline(trace, model.plan, token, microbatches=options.microbatches,
+                            schedule=options.schedule, batch=model.batch,
+                            axis=options.batch_axis, inputs=inputs, home=home,
+                            loss=model.loss, aux=model.aux, devices=devices)
+        keys = (OutKey(pg.loss_key),
+                jax.tree_util.tree_map(lambda k: OutKey(k) if isinstance(k, str) else k,
+                                       pg.aux_keys),
+                grad_keys(pg.grad_keys))
+        direct = ({k for k in jax.tree_util.tree_leaves(keys) if isinstance(k, OutKey)}
+                  if mode == "direct" else None)
+        graph = assemble(pg.dsk, pg.stage_of, targets, token, priority=pg.priority,
+                         direct=direct)
+    else:
+        low = lower(trace, model.plan, token, inputs=inputs, devices=devices)
+        keys = (OutKey(select(low, trace, model.loss, "loss", token)),
+                jax.tree_util.tree_map(
+                    lambda v: OutKey(select(low, trace, v, "aux", token))
+                    if isinstance(v, Traced) else v, model.aux),
+                grad_keys(low.grad_keys))
+        for node, key in low.data_keys.items():
+            low.stage_of[key] = home.get(node)
+        graph = assemble(low.dsk, low.stage_of, targets, token)
+    return Build(model, options, targets, graph, keys, token, mode)
+
+
+def replace_stages(trace: Trace, offset: int) -> Trace:
+    """`trace` with every stage moved up by `offset` (a data-parallel replica's stages)."""
+    if offset == 0:
+        return trace
+    new = Trace(trace.name)
+    new.nodes = [dataclasses.replace(n, stage=n.stage + offset)
+                 if n.kind == "call" and n.stage is not None else n for n in trace.nodes]
+    new.closed = True
+    return new

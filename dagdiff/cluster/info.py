@@ -1,0 +1,71 @@
+"""What the scheduler says about the workers, and the active client."""
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from distributed import default_client
+
+from ..errors import ClientClosedError
+
+
+__all__ = ["slot_names", "check_open", "workers_info", "latest_workers_info", "current_client"]
+
+
+def slot_names(client: Any) -> dict[str, str]:
+    """Worker address -> its ``slot<i>`` resource name, read from the scheduler."""
+    out = {}
+    for addr, w in workers_info(client).items():
+        slots = [r for r in (w.get("resources") or {}) if r.startswith("slot")]
+        if slots:
+            out[addr] = slots[0]
+    return out
+
+
+def check_open(client: Any) -> None:
+    """Raise `ClientClosedError` (with the fix) when `client` was closed."""
+    status = getattr(client, "status", "running")
+    if status in ("closing", "closed") or (status != "running"
+                                           and getattr(client, "scheduler", 1) is None):
+        raise ClientClosedError(
+            f"the distributed Client {getattr(client, 'id', '')} is {status}: make a new one "
+            "(client = distributed.Client(cluster)) and use it (dd.Trainer(..., client=client), "
+            "or `with client.as_current():`), or compute without a client on local threads")
+
+
+def workers_info(client: Any) -> dict[str, Any]:
+    """Every worker's entry of the scheduler's identity, asked directly: the client's
+    cached `scheduler_info()` is also refreshed by a periodic callback that lists no
+    workers, which can overwrite it between the refresh and the read. The answer is
+    also kept as the client's `latest_workers_info`."""
+    check_open(client)
+    if not getattr(client, "asynchronous", False):
+        try:
+            info = dict(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
+        except TypeError:                   # an older scheduler without n_workers
+            info = dict(client.sync(client.scheduler.identity)["workers"])
+    else:
+        info = dict(client.scheduler_info()["workers"])
+    try:
+        _LATEST[client] = info
+    except TypeError:                       # not weak-referenceable (a stand-in client)
+        pass
+    return info
+
+
+_LATEST: "weakref.WeakKeyDictionary[Any, dict[str, Any]]" = weakref.WeakKeyDictionary()
+
+
+def latest_workers_info(client: Any) -> dict[str, Any]:
+    """The workers as `workers_info` last saw them for this client (asked now if never):
+    graph building reads it right after placement asked, without another round trip."""
+    info = _LATEST.get(client)
+    return info if info is not None else workers_info(client)
+
+
+def current_client() -> Any:
+    """The active distributed client (``Client.as_current()`` or the default), or None."""
+    try:
+        return default_client()
+    except ValueError:
+        return None

@@ -1,0 +1,102 @@
+"""Where each stage runs: worker slots, worker addresses or local JAX devices."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import jax
+
+from ..core.stage import check_stage
+from ..errors import PlacementError
+from .info import slot_names, workers_info
+
+
+__all__ = ["Targets", "resolve_targets", "annotations_for"]
+
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Targets:
+    """Where stages run: kind 'slots' (worker resources), 'workers' (addresses, for clusters
+    started without slot resources), 'devices' (local JAX devices) or 'none'."""
+
+    kind: str
+    of: Mapping[int, Any]                  # stage -> slot name / worker address / device index
+    addresses: Mapping[Any, str] = dataclasses.field(default_factory=dict)  # slot -> address
+
+    def target(self, stage: int | None) -> Any:
+        return None if stage is None else self.of.get(stage)
+
+
+def resolve_targets(stages: set[int], client: Any, placement: Mapping[int, Any] | None,
+                    default: Mapping[int, int] | None = None) -> Targets:
+    """Map each stage to its slot (with a distributed client) or local device (without).
+
+    Stage s goes to `placement[s]` if given, else to slot/device ``default.get(s, s) mod
+    n`` (`default`: a pipeline schedule's layout, see `lowering.pipeline.stage_workers`)."""
+    default = dict(default or {})
+    placement = dict(placement or {})
+    for s in placement:
+        check_stage(s, "a key of placement")
+    unknown = sorted(set(placement) - set(stages))
+    if unknown and stages:
+        warnings.warn(f"placement names stage(s) {unknown} that the model does not have (its "
+                      f"stages: {sorted(stages)}); those entries are ignored", stacklevel=3)
+    if not stages:
+        return Targets("none", {})
+    if client is None:
+        n = len(jax.local_devices())
+        of = {}
+        for s in sorted(stages):
+            d = placement.get(s, default.get(s, s) % n)
+            if not isinstance(d, int) or not 0 <= d < n:
+                raise PlacementError(f"placement[{s}]={d!r}: this process has {n} JAX devices "
+                                     f"(0..{n - 1}); give a device index")
+            of[s] = d
+        return Targets("devices", of)
+
+    slots = slot_names(client)
+    if not slots:
+        workers = sorted(workers_info(client))
+        if not workers:
+            raise PlacementError("the distributed cluster has no workers; start some first")
+        log.warning("dagdiff: workers have no slot<i> resources (start them with "
+                    "`dask worker --resources slot<i>=1` or use dd.local_cluster); pinning "
+                    "stages by address, which does not survive worker restarts")
+        n = len(workers)
+        return Targets("workers", {s: workers[placement.get(s, default.get(s, s) % n) % n]
+                                   for s in stages})
+    by_slot = {name: addr for addr, name in slots.items()}
+    names = sorted(by_slot, key=lambda x: int(x[4:]) if x[4:].isdigit() else 1 << 30)
+    of = {}
+    for s in sorted(stages):
+        want = placement.get(s, default.get(s, s) % len(names))
+        name = f"slot{want}" if isinstance(want, int) else str(want)
+        if isinstance(want, int) and not 0 <= want < len(names):
+            raise PlacementError(f"placement[{s}]={want}: the cluster has {len(names)} slots "
+                                 f"({', '.join(names)})")
+        if name not in by_slot:
+            raise PlacementError(f"placement[{s}]={want!r}: no worker has resource {name!r}; "
+                                 f"slots are {', '.join(names)}")
+        of[s] = name
+    return Targets("slots", of, by_slot)
+
+
+def annotations_for(stage_of: Mapping[str, int | None], targets: Targets) -> dict[str, Any]:
+    """Per-key Dask annotations (as `dict.get` callables, picklable for the scheduler)."""
+    if targets.kind in ("none", "devices"):
+        return {}
+    per_key: dict[str, Any] = {}
+    for key, s in stage_of.items():
+        t = targets.target(s)
+        if t is None:
+            continue
+        per_key[key] = {t: 1} if targets.kind == "slots" else [t]
+    if targets.kind == "slots":
+        return {"resources": per_key.get}
+    return {"workers": per_key.get, "allow_other_workers": {k: True for k in per_key}.get}

@@ -1,0 +1,8 @@
+"""The model as data, before any Dask: layers, custom layers, stages, the tracer, the
+backward plan, fusion and stage balancing. Nothing here imports `distributed`."""
+from __future__ import annotations
+
+from . import ops  # noqa: F401  (operators on traced values; fills tracer.OPERATORS)
+
+
+__all__: list[str] = []

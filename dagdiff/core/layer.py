@@ -1,0 +1,118 @@
+"""`dd.layer`: mark a JAX-differentiable function as one node (forward + VJP task) of the graph."""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, overload
+
+import jax
+from dask.base import tokenize
+
+from ..errors import ArgumentError
+from .keys import sanitize
+from .stage import check_stage
+from .tracer import call_layer
+
+
+__all__ = ["Layer", "layer"]
+
+
+class Layer:
+    """A JAX function recorded as one forward task and one VJP task per call while tracing.
+
+    Called on concrete arrays (outside tracing, or under `jax.grad`/`jax.jit`) it simply
+    runs `fn`, so the same model code runs eagerly too.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        name: str | None = None,
+        remat: bool = False,
+        stage: int | None = None,
+    ) -> None:
+        if not callable(fn):
+            hint = (f"; to name a layer write dd.layer(name={fn!r}) as a decorator"
+                    if isinstance(fn, str) else "")
+            raise ArgumentError(f"dd.layer needs a callable, got {type(fn).__name__}{hint}")
+        self.fn = fn
+        self.name = sanitize(name or getattr(fn, "__name__", None) or "layer")
+        self.remat = bool(remat)
+        self.stage = check_stage(stage, f"stage of layer {self.name!r}")
+        functools.update_wrapper(self, fn, updated=())
+        self._fingerprint: str | None = None
+
+    @property
+    def fingerprint(self) -> str:
+        """A stable hash of the function (code, closure, defaults), for worker-side jit caches."""
+        if self._fingerprint is None:
+            self._fingerprint = tokenize(self.fn, self.name, self.remat, ensure_deterministic=False)
+        return self._fingerprint
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return call_layer(self, args, kwargs)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = {k: v for k, v in self.__dict__.items() if k != "__wrapped__"}
+        state["fn"] = _portable(self.fn)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state["fn"] = _restore(state["fn"])
+        self.__dict__.update(state)
+        self.__dict__["__wrapped__"] = state["fn"]
+
+    def __repr__(self) -> str:
+        extra = "".join([", remat=True" if self.remat else "",
+                         f", stage={self.stage}" if self.stage is not None else ""])
+        return f"dd.layer({self.name}{extra})"
+
+
+@overload
+def layer(fn: Callable[..., Any], *, name: str | None = ..., remat: bool = ...,
+          stage: int | None = ...) -> Layer: ...
+
+
+@overload
+def layer(fn: None = ..., *, name: str | None = ..., remat: bool = ...,
+          stage: int | None = ...) -> Callable[[Callable[..., Any]], Layer]: ...
+
+
+def layer(
+    fn: Callable[..., Any] | None = None,
+    *,
+    name: str | None = None,
+    remat: bool = False,
+    stage: int | None = None,
+) -> Layer | Callable[[Callable[..., Any]], Layer]:
+    """Wrap `fn` as a dagdiff layer: ``@dd.layer``, ``@dd.layer(name=..., remat=True)``,
+    or ``dd.layer(fn, name="enc", stage=1)``.
+
+    `remat=True` keeps only the primal inputs after the forward task and recomputes the
+    forward inside the VJP task (less memory, more compute).
+    """
+    if fn is None:
+        return lambda f: Layer(f, name=name, remat=remat, stage=stage)
+    return Layer(fn, name=name, remat=remat, stage=stage)
+
+
+def _portable(fn: Any) -> Any:
+    """`jax.custom_vjp`/`custom_jvp` objects do not unpickle; send their parts instead."""
+    if isinstance(fn, jax.custom_vjp):
+        return ("custom_vjp", fn.fun, fn.nondiff_argnums, fn.fwd, fn.bwd)
+    if isinstance(fn, jax.custom_jvp):
+        return ("custom_jvp", fn.fun, fn.nondiff_argnums, fn.jvp)
+    return fn
+
+
+def _restore(obj: Any) -> Any:
+    if isinstance(obj, tuple) and obj and obj[0] == "custom_vjp":
+        _, fun, nondiff, fwd, bwd = obj
+        new = jax.custom_vjp(fun, nondiff_argnums=nondiff)
+        new.defvjp(fwd, bwd)
+        return new
+    if isinstance(obj, tuple) and obj and obj[0] == "custom_jvp":
+        _, fun, nondiff, jvp = obj
+        new = jax.custom_jvp(fun, nondiff_argnums=nondiff)
+        new.defjvp(jvp)
+        return new
+    return obj

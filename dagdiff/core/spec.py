@@ -1,0 +1,86 @@
+"""`CallSpec`: everything a worker needs to run one layer signature (function, layout, avals)."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import jax
+from dask.base import tokenize
+
+
+__all__ = ["CallSpec", "make_call_spec"]
+
+
+@dataclass(frozen=True, eq=False)
+class CallSpec:
+    """Everything a worker needs to run one layer signature: function, argument layout,
+    which dynamic leaves are differentiated, output avals, and a stable fingerprint."""
+
+    layer: Any
+    name: str
+    fingerprint: str
+    in_template: Any                # the arguments' pytree with `_LEAF` at every leaf
+    kinds: tuple[str, ...]          # per argument leaf: "d" dynamic array, "s" static
+    statics: tuple[Any, ...]        # static leaf values (None where dynamic)
+    diff: tuple[bool, ...]          # per dynamic leaf: differentiated?
+    out_avals: tuple[jax.ShapeDtypeStruct, ...] = ()
+    remat: bool = False
+
+    @property
+    def in_treedef(self) -> Any:
+        """The arguments' treedef, rebuilt from `in_template` once per process: treedefs of
+        some libraries' pytrees (equinox) do not survive pickling, their objects do."""
+        td = self.__dict__.get("_treedef")
+        if td is None:
+            td = jax.tree_util.tree_structure(self.in_template)
+            object.__setattr__(self, "_treedef", td)
+        return td
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_treedef"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for k, v in state.items():
+            object.__setattr__(self, k, v)
+
+    def call(self, dyn: Sequence[Any]) -> Any:
+        """Run the layer function on dynamic leaves `dyn` (statics filled in)."""
+        it = iter(dyn)
+        leaves = [next(it) if k == "d" else s for k, s in zip(self.kinds, self.statics)]
+        args, kwargs = jax.tree_util.tree_unflatten(self.in_treedef, leaves)
+        return self.layer.fn(*args, **kwargs)
+
+    def with_outputs(self, out_avals: tuple[jax.ShapeDtypeStruct, ...]) -> "CallSpec":
+        """This spec with its output avals, which are part of the fingerprint."""
+        sig = tuple((a.shape, str(a.dtype)) for a in out_avals)
+        new = dataclasses.replace(self, out_avals=out_avals,
+                                  fingerprint=f"{self.fingerprint}-{tokenize(sig)[:8]}")
+        object.__setattr__(new, "_treedef", self.__dict__.get("_treedef"))
+        return new
+
+    @property
+    def n_diff(self) -> int:
+        return sum(self.diff)
+
+
+def make_call_spec(layer: Any, treedef: Any, kinds: tuple[str, ...], statics: tuple[Any, ...],
+                   diff: tuple[bool, ...]) -> CallSpec:
+    """Build a `CallSpec`, fingerprinting function, layout and statics once."""
+    fp = tokenize(layer.fingerprint, str(treedef), kinds, statics, diff,
+                  ensure_deterministic=False)
+    template = jax.tree_util.tree_unflatten(treedef, [_LEAF] * treedef.num_leaves)
+    spec = CallSpec(layer, layer.name, f"{layer.name}-{fp}", template, kinds, statics, diff,
+                    remat=layer.remat)
+    object.__setattr__(spec, "_treedef", treedef)
+    return spec
+
+
+class _Leaf:
+    """Placeholder leaf of `CallSpec.in_template`."""
+
+    def __repr__(self) -> str:
+        return "*"
+
+
+_LEAF = _Leaf()

@@ -1,0 +1,67 @@
+"""Assembling lowered tasks into one HighLevelGraph with placement annotations, and the
+Delayed outputs a user gets."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import jax
+from dask.delayed import Delayed
+from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
+
+from ..cluster.targets import Targets, annotations_for
+from ..runtime.direct import RESOURCE_SHARE, rewrite
+
+
+__all__ = ["OutKey", "to_delayed", "assemble"]
+
+
+class OutKey(str):
+    """A task key that `to_delayed` should turn into a Delayed (other leaves pass through)."""
+
+
+def to_delayed(graph: HighLevelGraph, keys: Any) -> Any:
+    """Wrap the `OutKey` leaves of a pytree as Delayed objects sharing one graph."""
+    layers = list(graph.layers)
+
+    def wrap(k: Any) -> Any:
+        if not isinstance(k, OutKey):
+            return k
+        name = next((n for n in layers if k in graph.layers[n]), layers[0])
+        return Delayed(str(k), graph, layer=name)
+
+    return jax.tree_util.tree_map(wrap, keys, is_leaf=lambda x: x is None)
+
+
+def assemble(dsk: dict[str, Any], stage_of: Mapping[str, int | None], targets: Targets,
+             token: str, *, priority: Mapping[str, int] | None = None,
+             direct: set[str] | None = None, outputs: set[str] = frozenset()
+             ) -> HighLevelGraph:
+    """One HighLevelGraph layer holding every task, with per-key placement annotations
+    (and schedule priorities).
+
+    `direct`: the step's output keys, to run it with direct dispatch (each worker's part
+    becomes one program task, see `dagdiff.runtime.direct`); None keeps every edge a
+    Dask dependency. `outputs` (direct dispatch): further outputs read straight from
+    their worker's program (a Trainer's new parameters)."""
+    priority = dict(priority or {})
+    name = f"dagdiff-{token}"
+    if direct is not None and targets.kind in ("slots", "workers"):
+        worker_of = {k: targets.target(s) for k, s in stage_of.items()}
+        slots = targets.kind == "slots"
+        plan = rewrite(dsk, worker_of, priority, direct, targets.addresses, token,
+                       slots=slots, outputs=set(outputs))
+        where = {k: w for k, w in worker_of.items() if w is not None}
+        where.update(plan.placed)
+        prio = {**priority, **plan.priority}
+        annotations: dict[str, Any] = {"priority": prio.get}
+        if slots:   # shares: a program waiting for its inputs keeps its resources
+            annotations["resources"] = {k: {w: RESOURCE_SHARE} for k, w in where.items()}.get
+        else:
+            annotations["workers"] = {k: [w] for k, w in where.items()}.get
+        return HighLevelGraph({name: MaterializedLayer(plan.dsk, annotations=annotations)},
+                              {name: set()})
+    annotations = annotations_for(stage_of, targets)
+    if priority:
+        annotations["priority"] = priority.get
+    layer = MaterializedLayer(dsk, annotations=annotations or None)
+    return HighLevelGraph({name: layer}, {name: set()})

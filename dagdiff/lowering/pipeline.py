@@ -1,0 +1,250 @@
+"""Microbatched pipelines: split the batch, lower the traced model once per microbatch, and
+make every worker run its tasks in the order its `Schedule` gives (ordering edges between
+consecutive actions of a worker, plus priorities). Data dependencies still come only from
+the traced graph; losses are averaged, gradients accumulated on the stage's worker."""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import jax
+
+from ..core.backward import BackwardPlan
+from ..core.dag import topological
+from ..core.keys import make_key
+from ..core.tracer import Trace, Traced
+from ..errors import CycleError, PlacementError, ScheduleError
+from ..runtime.tasks import acc_task, mean_task, select_task, slice_task
+from ..runtime.taskspec import DataNode, Task, TaskRef
+from ..schedules import Schedule, simulate
+from .lower import Lowered, lower, select
+
+
+__all__ = ["PipelineGraph", "lower_pipeline", "order_actions", "stage_workers"]
+
+
+@dataclass(frozen=True)
+class PipelineGraph:
+    """All microbatches' tasks (with their stages and schedule priorities), and the keys
+    of the mean loss, each parameter's gradient and each microbatch's aux."""
+
+    dsk: dict[str, Any]
+    stage_of: dict[str, int | None]
+    priority: dict[str, int]
+    loss_key: str
+    grad_keys: dict[int, str]
+    aux_keys: list[Any]
+
+
+def lower_pipeline(trace: Trace, plan: BackwardPlan, token: str, *, microbatches: int,
+                   schedule: Schedule | None, batch: Mapping[int, Any], axis: int,
+                   inputs: Mapping[int, Any], home: Mapping[int, int | None], loss: Traced,
+                   aux: Any = None, devices: dict[int | None, int | None] | None = None,
+                   stage_offset: int = 0) -> PipelineGraph:
+    """Lower `trace` for `microbatches` microbatches, ordered per worker by `schedule`
+    (None: no ordering beyond the data dependencies).
+
+    `batch`: the full value of each microbatched input node, an array or a (key or
+    Future, leaf) reference to data already in the graph / on the cluster; it is split
+    on the worker of the input's first consumer. `inputs`: other input nodes' existing
+    values (resident parameters). `home`: each input node's stage. The trace's stages
+    start at `stage_offset` (a data-parallel replica's pipeline)."""
+    m = microbatches
+    dsk: dict[str, Any] = {}
+    stage_of: dict[str, int | None] = {}
+    shared: dict[int, tuple[Any, int]] = dict(inputs)
+    splits: dict[int, list[str]] = {}
+    for idx, value in batch.items():
+        node = trace.nodes[idx]
+        if isinstance(value, tuple):       # a reference: (key or Future, leaf)
+            ref, src = value
+            full_ref: Any = TaskRef(ref) if isinstance(ref, str) else ref
+        else:
+            full = make_key("input", node.path or "x", idx, token)
+            dsk[full] = DataNode(full, value)
+            stage_of[full] = home.get(idx)
+            full_ref, src = TaskRef(full), -1
+        splits[idx] = []
+        for mb in range(m):
+            k = make_key("split", node.path or "x", idx, token, None, mb)
+            dsk[k] = Task(k, slice_task, axis, mb, m, full_ref, src)
+            stage_of[k] = home.get(idx)
+            splits[idx].append(k)
+    lowered: list[Lowered] = []
+    loss_keys, aux_keys = [], []
+    prev_acc: dict[Any, str] = {}      # stage -> accumulator key of the latest microbatch
+    acc_pos: dict[int, int] = {}       # param node -> position in its stage's accumulator
+    acc_of: dict[int, Any] = {}        # param node -> stage of its accumulator
+    for mb in range(m):
+        mb_inputs = dict(shared)
+        mb_inputs.update({idx: (keys[mb], -1) for idx, keys in splits.items()})
+        low = lower(trace, plan, token, microbatch=mb, inputs=mb_inputs, seed_scale=1.0 / m,
+                    split_backward=bool(schedule and schedule.split_backward),
+                    devices=devices, accumulate=True)
+        if mb == 0:  # params and other unsplit inputs: one data node for all microbatches
+            for idx, key in low.data_keys.items():
+                shared[idx] = (key, -1)
+                stage_of[key] = home.get(idx)
+        # gradient accumulation on the stage's worker: one task per (stage, microbatch)
+        # sums the contributions to all of the stage's parameter leaves and adds the
+        # previous microbatch's sums (one accumulator alive per stage, few small tasks)
+        by_stage: dict[Any, list[int]] = defaultdict(list)
+        for pnode, gs in low.grad_sums.items():
+            by_stage[gs.stage].append(pnode)
+        for st, pnodes in by_stage.items():
+            layout, vals = [], []
+            dev = None
+            for pn in pnodes:
+                gs = low.grad_sums[pn]
+                dev = gs.device
+                entries = []
+                for src, v in zip(gs.srcs, gs.values):
+                    vals.append(v)
+                    entries.append((len(vals) - 1, src))
+                layout.append((tuple(entries), gs.zeros))
+                acc_pos[pn] = len(layout) - 1
+                acc_of[pn] = st
+            name = "grads" if st is None else f"grads_s{st}"
+            k = make_key("acc", name, 0 if st is None else st, token, st, mb)
+            prev = prev_acc.get(st)
+            low.add(k, Task(k, acc_task, tuple(layout), dev,
+                            TaskRef(prev) if prev else None, *vals), st)
+            prev_acc[st] = k
+        loss_keys.append(select(low, trace, loss, "loss", token, mb))
+        aux_keys.append(jax.tree_util.tree_map(
+            lambda v: select(low, trace, v, "aux", token, mb)
+            if isinstance(v, Traced) else v, aux))
+        dsk.update(low.dsk)
+        stage_of.update(low.stage_of)
+        lowered.append(low)
+    grad_keys: dict[int, str] = {}
+    for pn, st in acc_of.items():
+        node = trace.nodes[pn]
+        k = make_key("grad", node.path or node.name, pn, token)
+        dsk[k] = Task(k, select_task, acc_pos[pn], TaskRef(prev_acc[st]))
+        stage_of[k] = st
+        grad_keys[pn] = k
+    lnode = trace.nodes[loss.node]
+    loss_key = make_key("loss", lnode.name, lnode.index, token)
+    dsk[loss_key] = Task(loss_key, mean_task, *[TaskRef(k) for k in loss_keys])
+    stage_of[loss_key] = lnode.stage
+    priority = (order_actions(dsk, lowered, trace, schedule, m, stage_offset)
+                if schedule is not None else {})
+    return PipelineGraph(dsk, stage_of, priority, loss_key, grad_keys, aux_keys)
+
+
+def stage_workers(schedule: Schedule, n_stages: int, replicas: int = 1) -> dict[int, int]:
+    """The worker slot (index) of each stage under `schedule`'s layout: replica r's stages
+    ``r * n_stages ...`` run on slots ``r * p ...`` (p workers per replica). Stages
+    that do not fill the layout (a model with fewer stages than p * v) keep slot = stage."""
+    v = schedule.virtual_stages
+    if n_stages % v:
+        return {}
+    p = n_stages // v
+    layout = schedule.checked_layout(p)
+    return {r * n_stages + s: r * p + w for r in range(replicas)
+            for w, chunks in enumerate(layout) for s in chunks}
+
+
+def order_actions(dsk: dict[str, Any], lowered: list[Lowered], trace: Trace,
+                  schedule: Schedule, m: int, stage_offset: int = 0) -> dict[str, int]:
+    """Add ordering edges so each worker runs its schedule's actions in order; return
+    per-key priorities (earlier action = higher priority). Stages of the trace start at
+    `stage_offset` (a data-parallel replica's pipeline)."""
+    stages = sorted({n.stage for n in trace.nodes if n.kind == "call"},
+                    key=lambda s: -1 if s is None else s)
+    if None in stages:
+        unstaged = sorted({n.name for n in trace.nodes if n.kind == "call" and n.stage is None})
+        raise PlacementError(
+            f"a pipeline schedule needs every layer on a stage; unstaged layers: "
+            f"{', '.join(unstaged)}. Use @dd.layer(stage=k), `with dd.stage(k):`, or "
+            "stages='auto'.")
+    v = schedule.virtual_stages
+    n_stages = max(stages) + 1 - stage_offset
+    if n_stages % v:
+        raise PlacementError(
+            f"schedule {schedule.name!r} with {v} virtual stages per worker needs a number of "
+            f"stages divisible by {v}; the model has {n_stages}")
+    p = n_stages // v
+    simulate(schedule, p, m)                 # a custom schedule that cannot run fails here
+    layout = schedule.checked_layout(p)      # worker w's chunk c is stage layout[w][c]
+    # the tasks of each action (stage, microbatch, phase), from the lowering's own records
+    tasks: dict[tuple[int, int, str], list[str]] = defaultdict(list)
+    label: dict[str, str] = {}
+    for mb, low in enumerate(lowered):
+        for node, key in low.fwd_keys.items():
+            n = trace.nodes[node]
+            tasks[(n.stage, mb, "F")].append(key)
+            label[key] = f"F{mb} of {n.name!r} (stage {n.stage})"
+        for node, phased in low.bwd_keys.items():
+            n = trace.nodes[node]
+            for phase, key in phased:
+                tasks[(n.stage, mb, phase)].append(key)
+                label[key] = f"{phase}{mb} of {n.name!r} (stage {n.stage})"
+    priority: dict[str, int] = {}
+    for w, acts in enumerate(schedule.table(p, m)):
+        prev_exit: list[str] = []
+        for pos, act in enumerate(acts):
+            stage = stage_offset + layout[w][act.chunk]
+            keys = tasks.get((stage, act.microbatch, act.kind), [])
+            if not keys:
+                continue
+            inside = set(keys)
+            entry = [k for k in keys if not (dsk[k].dependencies & inside)]
+            needed = {d for k in keys for d in dsk[k].dependencies}
+            exits = [k for k in keys if k not in needed]
+            # Each action waits for the previous action of its worker. Looser rules (only
+            # at forward/backward switches, priorities elsewhere) save round trips but let
+            # transfers that finish out of order reorder a worker's actions; measured here.
+            for k in entry:
+                t = dsk[k]
+                extra = {f"after_{i}": TaskRef(e) for i, e in enumerate(prev_exit)
+                         if e not in t.dependencies}
+                if extra:
+                    dsk[k] = Task(k, t.func, *t.args, **t.kwargs, **extra)
+            for k in keys:
+                priority[k] = len(acts) - pos
+            prev_exit = exits
+    _check_acyclic(dsk, trace, schedule, label)
+    return priority
+
+
+def _check_acyclic(dsk: Mapping[str, Any], trace: Trace, schedule: Schedule,
+                   label: Mapping[str, str]) -> None:
+    """Raise ScheduleError when the schedule's ordering edges close a cycle with the data
+    edges (e.g. a model that comes back to an earlier stage: under 1F1B that stage's
+    backward would have to wait for a forward that waits for it)."""
+    try:
+        topological({k: getattr(t, "dependencies", ()) for k, t in dsk.items()})
+        return
+    except CycleError as e:
+        stuck = set(e.stuck)
+    cycle = _a_cycle(dsk, stuck)
+    steps = " -> ".join(label.get(k, k) for k in cycle[:8]) + (" ..." if len(cycle) > 8 else "")
+    back = [f"{n.name!r} on stage {n.stage} reads {trace.nodes[x.node].name!r} on stage "
+            f"{trace.nodes[x.node].stage}"
+            for n in trace.nodes if n.kind == "call"
+            for x in n.in_leaves if getattr(x, "node", None) is not None
+            and trace.nodes[x.node].kind == "call"
+            and (trace.nodes[x.node].stage or 0) > (n.stage or 0)]
+    hint = (f"the model goes back to an earlier stage ({back[0]}); number stages in model "
+            "order (a worker may hold several: schedule='interleaved' with stages 0..p*v-1), "
+            "or use schedule='gpipe'" if back else
+            "check that each worker's order runs a microbatch's forward before its backward")
+    raise ScheduleError(
+        f"schedule {schedule.name!r} cannot run this model: with its order on the workers, "
+        f"tasks wait for each other in a circle (each waits for the next: {steps}); "
+        f"fix: {hint}")
+
+
+def _a_cycle(dsk: Mapping[str, Any], stuck: set[str]) -> list[str]:
+    """One cycle among `stuck` keys (each has a dependency among them)."""
+    k = min(stuck)
+    seen: dict[str, int] = {}
+    path: list[str] = []
+    while k not in seen:
+        seen[k] = len(path)
+        path.append(k)
+        k = min(d for d in dsk[k].dependencies if d in stuck)
+    return path[seen[k]:] + [k]

@@ -1,0 +1,132 @@
+"""Worker-side jit caches of layer signatures, and the counters read by `dd.remat_count` etc."""
+from __future__ import annotations
+
+import threading
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..core.spec import CallSpec
+
+
+__all__ = ["compiled", "track_live", "note_remat", "remat_count", "reset_remat_count",
+           "compile_count", "peak_live", "reset_peak_live"]
+
+
+class _Compiled:
+    """The jitted functions of one CallSpec (forward, forward+vjp, backward, remat backward)."""
+
+    def __init__(self, spec: CallSpec) -> None:
+        diff = spec.diff
+        out_avals = spec.out_avals
+
+        def merge(d: Sequence[Any], nd: Sequence[Any]) -> list[Any]:
+            di, ni = iter(d), iter(nd)
+            return [next(di) if f else next(ni) for f in diff]
+
+        def primal(d: Sequence[Any], nd: Sequence[Any]) -> list[Any]:
+            return jax.tree_util.tree_leaves(spec.call(merge(d, nd)))
+
+        def fwd_vjp(d: Sequence[Any], nd: Sequence[Any]) -> Any:
+            return jax.vjp(lambda *dd: primal(dd, nd), *d)
+
+        def full_ct(cts: Sequence[Any]) -> list[Any]:
+            out = []
+            for c, a in zip(cts, out_avals):
+                if c is not None:
+                    out.append(c.astype(a.dtype) if c.dtype != a.dtype else c)
+                elif jax.dtypes.issubdtype(a.dtype, np.inexact):
+                    out.append(jnp.zeros(a.shape, a.dtype))
+                else:
+                    out.append(np.zeros(a.shape, jax.dtypes.float0))
+            return out
+
+        def bwd(pb: Any, cts: Sequence[Any], wrt: tuple[int, ...]) -> tuple[Any, ...]:
+            g = pb(full_ct(cts))
+            return tuple(g[i] for i in wrt)
+
+        def remat_bwd(d: Sequence[Any], nd: Sequence[Any], cts: Sequence[Any],
+                      wrt: tuple[int, ...]) -> tuple[Any, ...]:
+            _, pb = fwd_vjp(d, nd)
+            return bwd(pb, cts, wrt)
+
+        self.forward = jax.jit(primal)
+        self.fwd_vjp = jax.jit(fwd_vjp)
+        self.bwd = jax.jit(bwd, static_argnums=2)
+        self.remat_bwd = jax.jit(remat_bwd, static_argnums=3)
+
+
+_CACHE: dict[str, _Compiled] = {}
+
+
+_LOCK = threading.Lock()
+
+
+_COUNTS = {"remat": 0, "compile": 0}
+
+
+def compiled(spec: CallSpec) -> _Compiled:
+    c = _CACHE.get(spec.fingerprint)
+    if c is None:
+        with _LOCK:
+            c = _CACHE.get(spec.fingerprint)
+            if c is None:
+                c = _CACHE[spec.fingerprint] = _Compiled(spec)
+                _COUNTS["compile"] += 1
+    return c
+
+
+def note_remat() -> None:
+    """Count one pullback rebuilt because it had left its forward's process."""
+    with _LOCK:
+        _COUNTS["remat"] += 1
+
+
+def remat_count() -> int:
+    """Pullbacks rebuilt in this process because they had left the process of their forward."""
+    return _COUNTS["remat"]
+
+
+def reset_remat_count() -> None:
+    _COUNTS["remat"] = 0
+
+
+def compile_count() -> int:
+    """Layer signatures compiled in this process (one per worker and signature, not per task)."""
+    return _COUNTS["compile"]
+
+
+# live pullbacks per (stage, microbatch) tag, and the peak number of microbatches with a
+# live pullback per stage: how tests and users check a schedule's memory bound
+_LIVE: dict[tuple[Any, Any], int] = {}
+
+
+_PEAK: dict[Any, int] = {}
+
+
+def track_live(tag: tuple[Any, Any] | None, delta: int) -> None:
+    if tag is None or tag[1] is None:
+        return
+    with _LOCK:
+        n = _LIVE.get(tag, 0) + delta
+        if n > 0:
+            _LIVE[tag] = n
+        else:
+            _LIVE.pop(tag, None)
+        if delta > 0:
+            alive = sum(1 for t in _LIVE if t[0] == tag[0])
+            _PEAK[tag[0]] = max(_PEAK.get(tag[0], 0), alive)
+
+
+def peak_live() -> dict[Any, int]:
+    """Per stage: the most microbatches whose pullbacks were alive at once in this process."""
+    return dict(_PEAK)
+
+
+def reset_peak_live() -> None:
+    """Forget peaks and live tags (a computation abandoned half-way leaves tags behind)."""
+    with _LOCK:
+        _PEAK.clear()
+        _LIVE.clear()

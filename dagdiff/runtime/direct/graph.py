@@ -1,0 +1,159 @@
+"""Rewrite a step's task graph for direct dispatch: one program task per worker, a nonce
+task per submission, and the step's outputs as ordinary tasks waiting for every program."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, Collection, Mapping
+
+from ...core.keys import make_key, sanitize
+from ...errors import PlacementError
+from ..tasks import leaves_read
+from ..taskspec import DataNode, Task, TaskRef
+from .plan import plan_programs
+from .runtime import Action, Program, Remote, _timeout, new_nonce, run_program
+
+
+__all__ = ["DirectGraph", "rewrite", "RESOURCE_SHARE"]
+
+#: share of a slot resource one program holds: a program leaves the thread pool
+#: (``secede``) but keeps its resources, so whole units would block the worker's next
+#: task, e.g. the next step's program (2**-20: exact in binary)
+RESOURCE_SHARE = 2.0 ** -20
+_COUNTER = itertools.count(1)
+
+
+@dataclasses.dataclass(frozen=True)
+class DirectGraph:
+    """The rewritten graph: tasks, and the placement and priority of the new tasks
+    (programs, the nonce, the outputs they export, completion tasks)."""
+
+    dsk: dict[str, Any]
+    priority: dict[str, int]
+    placed: dict[str, str]             # new task -> its worker
+    programs: tuple[Program, ...]
+
+
+def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
+            priority: Mapping[str, int], keep: Collection[str],
+            addresses: Mapping[str, str], token: str, slots: bool = True,
+            timeout: float | None = None, outputs: Collection[str] = ()) -> DirectGraph:
+    """Turn every task that has a worker (and is not in `keep`, the step's outputs that
+    stay ordinary tasks, and does not wait on an ordinary task) into an action of its
+    worker's program (see `dagdiff.direct.plan`).
+
+    Each program reads the step's ``run_`` task, a fresh nonce computed once per
+    submission: computing the step again (the same Delayed, a re-run cell) runs the
+    programs under a new run id, so its messages never mix with an earlier run's. Data
+    the programs read (the batch) is embedded in their tasks, not scattered: the graph
+    stays recomputable, and its keys name one computation.
+
+    `keep` outputs wait for every program of the step (so computing any of them runs
+    the whole step). `outputs` are keys the caller reads straight from their program
+    (e.g. a Trainer's new parameters, read by the next step on the same worker): they
+    cost no cross-worker Dask edge, and the closing exchange makes each of them fail
+    when any program of the step fails.
+
+    `worker_of`: key -> slot name (or address when `slots` is False); `priority`: the
+    schedule's priorities; `addresses`: slot -> worker address."""
+    if timeout is None:
+        timeout = _timeout()
+    dsk = dict(dsk)
+    keep = set(keep)
+    tasks = {k for k, t in dsk.items() if isinstance(t, Task)}
+    deps = {k: (_data_deps(t) if k in tasks else []) for k, t in dsk.items()}
+    reads = {k: leaves_read(dsk[k]) for k in tasks if k not in keep}
+    plan = plan_programs(deps, tasks, worker_of, priority, keep, outputs, reads)
+    if not plan.programs:
+        return DirectGraph(dsk, {}, {}, ())
+    missing = sorted({p.where for p in plan.programs if p.where not in addresses}) if slots \
+        else []
+    if missing:
+        raise PlacementError(f"direct dispatch: no worker address for {', '.join(missing)}; "
+                             "is every slot's worker running?")
+
+    def addr(w: str) -> str:
+        return addresses[w] if slots else w
+
+    # data read only by programs travels inside their tasks
+    readers_outside = {d for k in tasks - plan.direct for d in dsk[k].dependencies}
+    inline = {k for k, t in dsk.items() if isinstance(t, DataNode) and k not in
+              readers_outside}
+    step = token
+    base = -10_000_000 * next(_COUNTER)      # later steps rank below earlier ones on every worker
+    out_priority: dict[str, int] = {}
+    placed: dict[str, str] = {}
+    done_refs: list[TaskRef] = []
+    nonce_key = make_key("run", "step", 0, token)
+    dsk[nonce_key] = Task(nonce_key, new_nonce)
+    placed[nonce_key] = plan.programs[0].where
+    out_priority[nonce_key] = base + 1
+    members_all = [(p.where, addr(p.where)) for p in plan.programs]
+    programs = []
+    for i, pp in enumerate(plan.programs):
+        w = pp.where
+        actions = []
+        for pa in pp.actions:
+            t = dsk.pop(pa.key)
+            kwargs = {n: v for n, v in t.kwargs.items() if not _ordering_only(n, v, plan.direct)}
+            actions.append(Action(pa.key, Task(pa.key, t.func, *t.args, **kwargs), pa.inputs,
+                                  pa.local,
+                                  tuple(Remote(c.where, addr(c.where), c.uses, c.leaves)
+                                        for c in pa.remote), pa.export))
+        pk = make_key("program", sanitize(w), i, token)
+        prog = Program(pk, step, w, addr(w), tuple(actions), pp.statics, timeout,
+                       tuple(m for m in members_all if m[0] != w))
+        args: list[Any] = []
+        for s in pp.statics:
+            node = dsk.get(s)
+            args.append(node.value if s in inline and isinstance(node, DataNode)
+                        else TaskRef(s))
+        dsk[pk] = Task(pk, run_program, prog, TaskRef(nonce_key), *args)
+        placed[pk] = w
+        out_priority[pk] = base
+        programs.append(prog)
+        for a in actions:
+            if a.export:           # the value an output reads, as an ordinary result
+                dsk[a.key] = Task(a.key, _pick, TaskRef(pk), a.key)
+                placed[a.key] = w
+        # completion on the program's worker (nothing moves); every output waits for all
+        dk = make_key("done", "step", i, token)
+        dsk[dk] = Task(dk, _done, TaskRef(pk))
+        placed[dk] = w
+        done_refs.append(TaskRef(dk))
+    for k in inline:
+        dsk.pop(k, None)
+    for k, t in list(dsk.items()):
+        if k in keep and isinstance(t, Task):
+            kwargs = {n: v for n, v in t.kwargs.items() if not _ordering_only(n, v, plan.direct)}
+            dsk[k] = Task(k, _after, len(done_refs), *done_refs, t.func, *t.args, **kwargs)
+    return DirectGraph(dsk, out_priority, placed, tuple(programs))
+
+
+def _ordering_only(name: str, value: Any, direct: Collection[str]) -> bool:
+    """`after_<i>` keyword arguments are the scheduler-mode ordering edges; actions
+    run in their program's order instead."""
+    return name.startswith("after_") and isinstance(value, TaskRef) and value.key in direct
+
+
+def _data_deps(t: Task) -> list[str]:
+    """Data dependencies of a task (ordering-only `after_` edges left out)."""
+    skip = {v.key for n, v in t.kwargs.items()
+            if n.startswith("after_") and isinstance(v, TaskRef)}
+    return sorted(set(t.dependencies) - skip)
+
+
+def _done(exports: Any) -> None:
+    """Completion of a step on one worker (its input: the worker's program)."""
+    return None
+
+
+def _pick(exports: dict[str, Any], key: str) -> Any:
+    """The value of action `key`, from its program's exports."""
+    return exports[key]
+
+
+def _after(n: int, *rest: Any, **kwargs: Any) -> Any:
+    """An output task that also waits for the step's `n` completion tasks."""
+    func, args = rest[n], rest[n + 1:]
+    return func(*args, **kwargs)

@@ -1,0 +1,118 @@
+"""What a step's programs tell each other: typed messages, and their form on Dask's wire."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Union
+
+import jax
+import numpy as np
+from distributed.protocol import to_serialize
+
+from ..tasks import FwdResult
+
+
+__all__ = ["Value", "Failure", "End", "Message", "to_wire", "from_wire", "pack", "unpack"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Value:
+    """An action's value for `uses` consumer actions on the receiving worker."""
+
+    run: str
+    key: str
+    uses: int
+    value: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """The action `key` will not produce a value: why (it, or something upstream, failed)."""
+
+    run: str
+    key: str
+    error: str
+
+
+@dataclasses.dataclass(frozen=True)
+class End:
+    """The sender's program of the run ended: successfully (error None) or not."""
+
+    run: str
+    sender: str
+    error: str | None = None
+
+
+Message = Union[Value, Failure, End]
+_KINDS: dict[str, type] = {"value": Value, "failure": Failure, "end": End}
+_NAMES = {v: k for k, v in _KINDS.items()}
+
+
+def to_wire(msg: Message) -> dict[str, Any]:
+    """A message as distributed sends it: a dict of plain fields; a value goes as packed
+    by `pack` (arrays wrapped for Dask's serializers)."""
+    out = {"kind": _NAMES[type(msg)]}
+    out.update((f.name, getattr(msg, f.name)) for f in dataclasses.fields(msg))
+    return out
+
+
+def from_wire(d: dict[str, Any]) -> Message:
+    """The message a `to_wire` dict describes (values unpacked)."""
+    kind = _KINDS[d.pop("kind")]
+    if kind is Value:
+        d["value"] = unpack(d["value"])
+    return kind(**d)
+
+
+def pack(value: Any, leaves: frozenset[int] | None = None) -> dict[str, Any]:
+    """What another worker receives of a value: forward results without their pullback,
+    only the `leaves` it reads of a tuple or forward result (the others None, so indices
+    hold), each array wrapped in `distributed.protocol.to_serialize` so the cluster's
+    serializers send it (out of band; a GPU array through the ``cuda`` family where the
+    comm supports it, a CPU jax array as its NumPy buffer)."""
+    def keep(i: int) -> bool:
+        return leaves is None or i in leaves
+
+    if isinstance(value, FwdResult):
+        return {"t": "fwd", "out": [_leaf(x) if keep(i) else None for i, x in enumerate(value.out)],
+                "res": _tree(value.res) if leaves is None else None}
+    if isinstance(value, (tuple, list)):
+        return {"t": "tuple" if isinstance(value, tuple) else "list",
+                "items": [pack(v) if keep(i) else None for i, v in enumerate(value)]}
+    return {"t": "v", "v": _leaf(value)}
+
+
+def unpack(d: Any) -> Any:
+    """The value `pack` described (arrays already deserialized by distributed)."""
+    if d is None:
+        return None
+    t = d["t"]
+    if t == "fwd":
+        return FwdResult(list(d["out"]), None, moved=True, res=d["res"])
+    if t in ("tuple", "list"):
+        items = [unpack(v) for v in d["items"]]
+        return tuple(items) if t == "tuple" else items
+    return d["v"]
+
+
+def _leaf(x: Any) -> Any:
+    return None if x is None else to_serialize(_host(x))
+
+
+def _tree(x: Any) -> Any:
+    if x is None:
+        return None
+
+    return to_serialize(jax.tree_util.tree_map(_host, x))
+
+
+def _host(x: Any) -> Any:
+    """CPU jax arrays as NumPy (no copy, and no JAX reconstruction on the receiver: the
+    consumer's jitted function puts them on its device); GPU arrays stay jax arrays so
+    dagdiff's ``cuda`` serializer can send the device buffer."""
+    if isinstance(x, jax.Array):
+        try:
+            if all(d.platform == "cpu" for d in x.devices()):
+                return np.asarray(x)
+        except Exception:
+            return np.asarray(x)
+    return x

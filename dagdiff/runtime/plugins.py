@@ -1,0 +1,153 @@
+"""dagdiff's Dask plugins: on the scheduler, each VJP task runs on the worker holding its
+forward's pullback; on every worker, dagdiff is loaded and its direct-dispatch runtime
+installed.
+
+Pullbacks are unpicklable, so a VJP task placed elsewhere has to rematerialize. When a
+forward task's result lands in memory, the plugin restricts that forward's VJP tasks
+to its worker; when the result is lost (worker gone), the restriction is lifted so
+nothing waits forever on a dead worker.
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any
+
+import dask
+from dask.utils import parse_timedelta
+from distributed.active_memory_manager import ReduceReplicas
+from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
+
+from ..core.keys import is_backward_of, is_forward
+from .direct import install
+from .serialize import register
+
+
+__all__ = ["ColocateVJP", "ensure_colocation"]
+
+log = logging.getLogger(__name__)
+
+
+def _latency() -> float | None:
+    """Seconds between flushes of distributed's batched message streams (None: keep
+    distributed's defaults); dask config ``dagdiff.batched-send-interval``."""
+    value = dask.config.get("dagdiff.batched-send-interval", "1ms")
+    return None if value in (None, "default") else parse_timedelta(value, default="ms")
+
+
+_registered: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+class ColocateVJP(SchedulerPlugin):
+    """Pin ``vjp_/igrad_/wgrad_`` tasks to the worker where their ``fwd_`` task ran
+    (unless the user pinned them with a ``workers=`` annotation)."""
+
+    name = "dagdiff-colocate-vjp"
+
+    def __init__(self) -> None:
+        self.scheduler: Any = None
+
+    async def start(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+        for addr in list(getattr(scheduler, "stream_comms", {})):
+            self.add_worker(scheduler, addr)
+        _keep_forward_replicas(scheduler)
+
+    def add_worker(self, scheduler: Any = None, worker: Any = None) -> None:
+        """Low-latency mode: flush scheduler->worker messages every `_latency()` s (5 ms in
+        distributed), so a dependent chain of tasks waits less between hops."""
+        comm = getattr(self.scheduler, "stream_comms", {}).get(worker)
+        latency = _latency()
+        if comm is not None and latency is not None:
+            comm.interval = min(comm.interval, latency)
+
+    def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+        if not is_forward(key):
+            return
+        if finish != "memory" and start != "memory":
+            return
+        ts = self.scheduler.tasks.get(key) if self.scheduler is not None else None
+        if ts is None:
+            return
+        pin = None
+        if finish == "memory" and ts.who_has:
+            pin = {next(iter(ts.who_has)).address}
+        for dts in ts.dependents:
+            k = dts.key
+            if (is_backward_of(k, key)
+                    and "workers" not in (dts.annotations or {})):  # explicit placement wins
+                if pin is not None:
+                    dts.worker_restrictions = pin
+                    dts.loose_restrictions = False
+                elif dts.worker_restrictions:
+                    dts.worker_restrictions = None
+
+
+class LoadDagdiff(WorkerPlugin):
+    """Import dagdiff on every worker (present and future) so that its serializers for
+    jax arrays are registered before any data arrives, and install the worker's
+    direct-dispatch runtime (`dagdiff.direct.DirectRuntime`)."""
+
+    name = "dagdiff-load"
+
+    def setup(self, worker: Any) -> None:
+        register()                  # sizeof and serializers of jax arrays (idempotent)
+        self.runtime = install(worker)
+        stream = getattr(worker, "batched_stream", None)
+        latency = _latency()
+        if stream is not None and latency is not None:  # worker->scheduler: 2 ms by default
+            stream.interval = min(stream.interval, latency)
+
+    def teardown(self, worker: Any) -> None:
+        rt = getattr(self, "runtime", None)
+        if rt is not None:
+            rt.close()
+
+    def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:
+        """Log when each task starts (exact per-worker order for `dd.record`); a running
+        direct-dispatch program released by the scheduler (the client let go of the
+        step, e.g. after an error) wakes and stops."""
+        rt = getattr(self, "runtime", None)
+        if rt is None or not isinstance(key, str):
+            return
+        if finish == "executing":
+            rt.started(key)
+        elif start in ("executing", "long-running") and finish in ("released", "cancelled"):
+            rt.cancel(key)
+
+
+def _keep_forward_replicas(scheduler: Any) -> None:
+    """Stop the Active Memory Manager's ReduceReplicas policy: it may drop the original
+    forward result (the one holding the pullback) and keep a consumer's copy, which forces
+    the VJP task to fetch the copy back and rematerialize."""
+    amm = getattr(scheduler, "extensions", {}).get("amm")
+    if amm is None:
+        return
+
+    for policy in list(amm.policies):
+        if isinstance(policy, ReduceReplicas):
+            amm.policies.discard(policy)
+            log.info("dagdiff: removed the AMM ReduceReplicas policy (keeps pullbacks local)")
+
+
+def _has_plugin(dask_scheduler: Any = None) -> bool:
+    return ColocateVJP.name in dask_scheduler.plugins
+
+
+def ensure_colocation(client: Any) -> bool:
+    """Register `ColocateVJP` on `client`'s scheduler and `LoadDagdiff` on its workers, once
+    per client; False if that is impossible."""
+    if client in _registered:
+        return True
+    try:
+        if getattr(client, "asynchronous", False):
+            return False
+        if not client.run_on_scheduler(_has_plugin):
+            client.register_plugin(ColocateVJP(), name=ColocateVJP.name)
+        client.register_plugin(LoadDagdiff(), name=LoadDagdiff.name)
+    except Exception as e:  # e.g. dagdiff not installed where the scheduler runs
+        log.warning("dagdiff: could not register the VJP colocation plugin (%s); VJP tasks "
+                    "may rematerialize pullbacks (see dd.remat_count)", e)
+        return False
+    _registered.add(client)
+    return True

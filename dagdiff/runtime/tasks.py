@@ -1,0 +1,299 @@
+"""What runs inside the tasks: forward (value + pullback), VJP, sums, slices."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..core.custom import check_cotangents, fwd_result
+from ..core.spec import CallSpec
+from .compiled import compiled, note_remat, track_live
+from .taskspec import TaskRef
+
+
+__all__ = ["FwdResult", "fwd_task", "vjp_task", "sum_task", "slice_task", "mean_task",
+           "acc_task", "select_task", "leaves_read"]
+
+
+class FwdResult:
+    """Value of a forward task: output leaves and the pullback (None when rematerialized).
+
+    Pickling keeps the outputs only: a consumer on another worker needs just those,
+    and a VJP task that receives a copy rebuilds the pullback from its primals.
+    """
+
+    __slots__ = ("out", "pullback", "moved", "tag", "res")
+
+    def __init__(self, out: list[Any], pullback: Any, moved: bool = False,
+                 tag: tuple[Any, Any] | None = None, res: Any = None) -> None:
+        self.out = out
+        self.pullback = pullback
+        self.moved = moved
+        self.tag = tag
+        self.res = res          # residuals of a custom rule: plain arrays, they travel
+
+    def __reduce__(self) -> Any:
+        return (_arrived, (self.out, self.res))
+
+    def nbytes(self) -> int:
+        leaves = jax.tree_util.tree_leaves((self.out, self.pullback, self.res))
+        return int(sum(getattr(x, "nbytes", 0) for x in leaves))
+
+    def __repr__(self) -> str:
+        state = "moved" if self.moved else ("pullback" if self.pullback is not None else "primal")
+        return f"FwdResult({len(self.out)} outputs, {state})"
+
+
+def _arrived(out: list[Any], res: Any = None) -> FwdResult:
+    return FwdResult(out, None, moved=True, res=res)
+
+
+def _take(value: Any, src: int) -> Any:
+    """A dependency's value: leaf `src` of a FwdResult/tuple, or the value itself (src < 0)."""
+    if src < 0:
+        return value
+    if isinstance(value, FwdResult):
+        return value.out[src]
+    return value[src]
+
+
+def _device(dev: int | None) -> Any:
+    return None if dev is None else jax.local_devices()[dev % len(jax.local_devices())]
+
+
+def _put(x: Any, device: Any) -> Any:
+    """Move an array to `device` (no-op when already there or when device is None)."""
+    if device is None or not isinstance(x, (jax.Array, np.ndarray)):
+        return x
+    if isinstance(x, jax.Array) and x.devices() == {device}:
+        return x
+    return jax.device_put(x, device)
+
+
+def _split(spec: CallSpec, srcs: tuple[int, ...], vals: Sequence[Any],
+           device: Any = None) -> tuple[list[Any], list[Any]]:
+    d, nd = [], []
+    for f, s, v in zip(spec.diff, srcs, vals):
+        (d if f else nd).append(_put(_take(v, s), device))
+    return d, nd
+
+
+def fwd_task(spec: CallSpec, srcs: tuple[int, ...], dev: int | None, *vals: Any,
+             tag: tuple[Any, Any] | None = None, vjp: bool = True, **after: Any) -> FwdResult:
+    """Forward of one layer call: outputs plus the pullback (kept in this process).
+
+    `dev`: local JAX device index (single-process stage pinning). `tag`: (stage,
+    microbatch) for the live-pullback count. `vjp=False`: no VJP task will ask for a
+    pullback (the call does not reach the loss). `after`: ordering-only dependencies.
+    """
+    try:
+        if getattr(spec.layer, "custom", False):
+            return _custom_fwd(spec, srcs, vals, _device(dev), tag)
+        c = compiled(spec)
+        d, nd = _split(spec, srcs, vals, _device(dev))
+        if spec.remat or not d or not vjp:
+            return FwdResult(jax.block_until_ready(c.forward(d, nd)), None, tag=tag)
+        out, pb = jax.block_until_ready(c.fwd_vjp(d, nd))   # the task ends when its work does
+    except Exception as e:
+        _note(e, "forward", spec, tag, vals)
+        raise
+    track_live(tag, +1)
+    return FwdResult(out, pb, tag=tag)
+
+
+def _note(error: BaseException, what: str, spec: CallSpec, tag: Any, vals: Sequence[Any]) -> None:
+    """Say on a failing task's error which layer call it was (once): the user's traceback
+    otherwise ends in their layer's code with no stage or microbatch."""
+    if any(str(n).startswith("dagdiff: in the ") for n in getattr(error, "__notes__", ())):
+        return
+    where = ""
+    if isinstance(tag, tuple) and len(tag) == 2:
+        where = f" (stage {tag[0]}, microbatch {tag[1]})"
+    leaves = [x for v in vals for x in (v.out if isinstance(v, FwdResult) else [v])]
+    shapes = [f"{np.dtype(v.dtype).name}{list(v.shape)}" for v in leaves
+              if hasattr(v, "shape") and hasattr(v, "dtype")][:6]
+    note = f"dagdiff: in the {what} of layer {spec.name!r}{where}"
+    if shapes:
+        note += f", array inputs {', '.join(shapes)}"
+    try:
+        error.add_note(note)
+    except Exception:                          # Python < 3.11, or a frozen exception
+        pass
+
+
+def vjp_task(spec: CallSpec, srcs: tuple[int, ...], wrt: tuple[int, ...],
+             ct_srcs: tuple[int | None, ...], dev: int | None, fwd: FwdResult,
+             *vals: Any, release: bool = False, **after: Any) -> tuple[Any, ...]:
+    """VJP of one layer call w.r.t. differentiated leaves `wrt` (indices among them).
+
+    `vals` holds the output cotangents (one per non-None entry of `ct_srcs`) followed
+    by the primal inputs, which are only read to rebuild a pullback that moved.
+    `release`: this is the call's last backward task, so its pullback is dropped after.
+    """
+    try:
+        if getattr(spec.layer, "custom", False):
+            return _custom_vjp(spec, srcs, wrt, ct_srcs, dev, fwd, vals)
+        out = jax.block_until_ready(_vjp(spec, srcs, wrt, ct_srcs, dev, fwd, vals))
+    except Exception as e:
+        _note(e, "VJP", spec, getattr(fwd, "tag", None), vals)
+        raise
+    if release and fwd.pullback is not None:
+        fwd.pullback = None
+        track_live(fwd.tag, -1)
+    return out
+
+
+def _vjp(spec: CallSpec, srcs: tuple[int, ...], wrt: tuple[int, ...],
+         ct_srcs: tuple[int | None, ...], dev: int | None, fwd: FwdResult,
+         vals: Sequence[Any]) -> tuple[Any, ...]:
+    n_ct = sum(s is not None for s in ct_srcs)
+    device = _device(dev)
+    it = iter(vals[:n_ct])
+    cts = [None if s is None else _put(_take(next(it), s), device) for s in ct_srcs]
+    c = compiled(spec)
+    pb = fwd.pullback
+    if pb is not None:
+        return c.bwd(pb, cts, wrt)
+    if not spec.remat:
+        note_remat()
+    d, nd = _split(spec, srcs, vals[n_ct:], device)
+    return c.remat_bwd(d, nd, cts, wrt)
+
+
+def _dyn_args(spec: CallSpec, srcs: tuple[int, ...], vals: Sequence[Any],
+              device: Any) -> list[Any]:
+    return [_put(_take(v, s), device) for s, v in zip(srcs, vals)]
+
+
+def _call_rule(spec: CallSpec, rule: Any, dyn: Sequence[Any], *extra: Any) -> Any:
+    it = iter(dyn)
+    leaves = [next(it) if k == "d" else s for k, s in zip(spec.kinds, spec.statics)]
+    args, kwargs = jax.tree_util.tree_unflatten(spec.in_treedef, leaves)
+    return rule(*extra, *args, **kwargs)
+
+
+def _custom_fwd(spec: CallSpec, srcs: tuple[int, ...], vals: Sequence[Any], device: Any,
+                tag: Any) -> FwdResult:
+    out, res = fwd_result(_call_rule(spec, spec.layer.fwd_rule,
+                                     _dyn_args(spec, srcs, vals, device)), spec.name)
+    return FwdResult(jax.tree_util.tree_leaves(out), None, tag=tag, res=res)
+
+
+def _custom_vjp(spec: CallSpec, srcs: tuple[int, ...], wrt: tuple[int, ...],
+                ct_srcs: tuple[int | None, ...], dev: int | None, fwd: FwdResult,
+                vals: Sequence[Any]) -> tuple[Any, ...]:
+    n_ct = sum(s is not None for s in ct_srcs)
+    it = iter(vals[:n_ct])
+    cts = []
+    for s, a in zip(ct_srcs, spec.out_avals):
+        cts.append(np.zeros(a.shape, a.dtype) if s is None else _take(next(it), s))
+    ct = cts[0] if len(cts) == 1 else tuple(cts)
+    primals = _dyn_args(spec, srcs, vals[n_ct:], _device(dev))
+    got = check_cotangents(spec.layer, spec.layer.bwd_rule(fwd.res, ct), primals, spec.diff)
+    return tuple(got[i] for i in wrt)
+
+
+def sum_task(srcs: tuple[int, ...], zeros: Any, dev: int | None, *vals: Any,
+             **after: Any) -> Any:
+    """Sum cotangent contributions (each a leaf of a VJP result); `zeros` when there are none."""
+    device = _device(dev)
+    parts = [_put(_take(v, s), device) for v, s in zip(vals, srcs)]
+    if not parts:
+        shape, dtype = zeros
+        return _put(jnp.zeros(shape, dtype), device)
+    total = parts[0]
+    for p in parts[1:]:
+        total = total + p
+    return total
+
+
+def slice_task(axis: int, mb: int, m: int, value: Any, src: int = -1) -> Any:
+    """Microbatch `mb` of `m` equal parts of `value` (leaf `src` of it) along `axis`."""
+    value = _take(value, src)
+    size = value.shape[axis] // m
+    index = [slice(None)] * value.ndim
+    index[axis] = slice(mb * size, (mb + 1) * size)
+    return value[tuple(index)]
+
+
+def mean_task(*values: Any) -> Any:
+    """Mean of the microbatch losses."""
+    total = values[0]
+    for v in values[1:]:
+        total = total + v
+    return total / len(values)
+
+
+def acc_task(layout: tuple[Any, ...], dev: int | None, prev: Any, *vals: Any,
+             **after: Any) -> tuple[Any, ...]:
+    """Gradient accumulator of one stage and microbatch: for each parameter leaf, the sum
+    of its contributions (entries of `vals`) plus its sum from the previous microbatch."""
+    device = _device(dev)
+    out = []
+    for i, (entries, zeros) in enumerate(layout):
+        parts = [_put(_take(vals[j], s), device) for j, s in entries]
+        if prev is not None:
+            parts.append(prev[i])
+        if not parts:
+            shape, dtype = zeros
+            out.append(_put(jnp.zeros(shape, dtype), device))
+            continue
+        total = parts[0]
+        for p in parts[1:]:
+            total = total + p
+        out.append(total)
+    return tuple(out)
+
+
+def select_task(src: int, value: Any) -> Any:
+    """One leaf of a forward result (the loss, an aux output)."""
+    return _take(value, src)
+
+
+def leaves_read(task: Any) -> dict[str, frozenset[int] | None]:
+    """Which leaves of each dependency a task reads: leaf indices of a tuple or
+    `FwdResult` value, or None for the whole value. Direct dispatch sends another
+    worker only those (a VJP result holds the weight gradients, which stay on the
+    stage, next to the input cotangent the previous stage needs)."""
+    reads: dict[str, set[int] | None] = {}
+
+    def read(ref: Any, src: int | None) -> None:
+        if not isinstance(ref, TaskRef):
+            return
+        if src is None or src < 0:
+            reads[ref.key] = None
+        elif ref.key not in reads or reads[ref.key] is not None:
+            reads.setdefault(ref.key, set()).add(src)  # type: ignore[union-attr]
+
+    f, a, kw = task.func, list(task.args), dict(task.kwargs)
+    known = True
+    if f is fwd_task:
+        srcs, vals = a[1], a[3:]
+        for s, v in zip(srcs, vals):
+            read(v, s)
+    elif f is vjp_task:
+        srcs, ct_srcs, fwd, vals = a[1], a[3], a[5], a[6:]
+        read(fwd, None)
+        for s, v in zip([c for c in ct_srcs if c is not None] + list(srcs), vals):
+            read(v, s)
+    elif f is sum_task:
+        for s, v in zip(a[0], a[3:]):
+            read(v, s)
+    elif f is acc_task:
+        layout, vals = a[0], a[3:]
+        read(a[2], None)
+        for entries, _ in layout:
+            for j, s in entries:
+                read(vals[j], s)
+    elif f is select_task:
+        read(a[1], a[0])
+    elif f is slice_task:
+        read(a[3], a[4] if len(a) > 4 else kw.get("src", -1))
+    else:
+        known = False
+    for v in list(a) + list(kw.values()):
+        if isinstance(v, TaskRef) and (not known or v.key not in reads):
+            read(v, None)       # anything else (ordering edges, unknown tasks): whole
+    return {k: (None if v is None else frozenset(v)) for k, v in reads.items()}

@@ -1,0 +1,461 @@
+"""`dd.Trainer`: training on the workers. Parameters and optimizer state live on their
+stage's worker across steps; replicas train data-parallel with a tree all-reduce of the
+gradients.
+
+Each step lowers the (cached) traced model once per replica and microbatch; the
+gradient of every parameter leaf is summed over microbatches on its stage's worker,
+averaged over replicas by a pairwise tree of sums on the workers, and applied by one
+optax update task per (replica, stage) whose result - the stage's new parameters and
+optimizer state - stays on that worker as the next step's input. Only the loss comes
+back to the client.
+"""
+from __future__ import annotations
+
+import dataclasses
+import uuid
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import dask
+import jax
+import numpy as np
+import optax
+from dask.base import tokenize
+
+from ..build import (
+    Model,
+    Options,
+    program_homes,
+    replace_stages,
+    resolve_dispatch,
+    step_token,
+    trace_model,
+)
+from ..cluster.info import check_open, current_client
+from ..cluster.targets import Targets, resolve_targets
+from ..core.keys import make_key
+from ..core.tracer import home_stages
+from ..errors import ArgumentError, MicrobatchError, TrainerError
+from ..extras import available, require
+from ..lowering.graph import OutKey, assemble, to_delayed
+from ..lowering.pipeline import lower_pipeline, stage_workers
+from ..runtime.tasks import mean_task
+from ..runtime.taskspec import DataNode, Task, TaskRef
+from .allreduce import tree_allreduce
+from .optimizer import ScaledOptimizer, update_task
+
+
+__all__ = ["Trainer", "TrainState"]
+
+
+@dataclass(frozen=True)
+class TrainState:
+    """Where training stands: the step count and, per (replica, group), the stage's
+    parameters + optimizer state - a Future on its worker once placed, or concrete
+    leaves (after `Trainer.init` without a batch, or `dd.load`) to be placed on the
+    next step. `groups` lists the parameter-leaf indices of each group (stage)."""
+
+    step: int
+    params: tuple[Any, ...] | None = None            # concrete leaves (unplaced)
+    opt_leaves: tuple[tuple[Any, ...], ...] | None = None  # concrete, per group (unplaced)
+    groups: tuple[tuple[int, ...], ...] | None = None
+    placed: Mapping[tuple[int, int], Any] | None = None  # (replica, group) -> Future/tuple
+    owner: Any = dataclasses.field(default=None, repr=False, compare=False)  # weakref
+
+    @property
+    def trainer(self) -> "Trainer | None":
+        """The Trainer that made this state (if it still exists)."""
+        return self.owner() if self.owner is not None else None
+
+    @property
+    def is_placed(self) -> bool:
+        return self.placed is not None
+
+
+class Trainer:
+    """Train `loss_fn(params, *batch)` with an optax optimizer on a Dask cluster.
+
+    ``microbatches``/``schedule`` pipeline each replica over its stages (see
+    `dd.value_and_grad`); ``replicas=r`` trains r copies on disjoint worker groups
+    (replica i's stage s runs on slot ``i * p + s``), each on 1/r of the batch, with
+    gradients all-reduced before the update. ``client=None`` uses the current
+    distributed client, or else runs on the local threads scheduler. ``dispatch``: as in
+    `dd.value_and_grad` (pipelined steps on a cluster default to "direct").
+    """
+
+    def __init__(self, loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation,
+                 microbatches: int = 1, schedule: Any = None, replicas: int = 1,
+                 client: Any = None, *,
+                 stages: int | str | None = None, placement: Mapping[int, Any] | None = None,
+                 fuse: bool | None = None, batch_argnums: Sequence[int] | None = None,
+                 batch_axis: int = 0, dispatch: str | None = None) -> None:
+        for label, value in (("replicas", replicas), ("microbatches", microbatches)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ArgumentError(f"Trainer: {label} must be a positive int, got {value!r}")
+        if not (callable(getattr(optimizer, "init", None))
+                and callable(getattr(optimizer, "update", None))):
+            raise ArgumentError(
+                f"Trainer: optimizer must be an optax GradientTransformation (with init and "
+                f"update), got {type(optimizer).__name__}; e.g. optax.adam(1e-3)")
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.options = Options.make("dd.Trainer", argnums=0, microbatches=microbatches,
+                                    schedule=schedule, batch_argnums=batch_argnums,
+                                    batch_axis=batch_axis, stages=stages, placement=placement,
+                                    fuse=fuse, dispatch=dispatch)
+        self.microbatches = microbatches
+        self.schedule = self.options.schedule
+        self.replicas = replicas
+        self.client = client if client is not None else current_client()
+        self._treedef: Any = None
+        self._template: list[Any] = []
+        self._last: TrainState | None = None
+        self._ref = weakref.ref(self)
+        self._uid = uuid.uuid4().hex[:8]   # task keys of different trainers never collide
+        self._cache: dict[Any, _Model] = {}
+
+    # --- state ------------------------------------------------------------------------
+    def init(self, params: Any, *example_batch: Any) -> TrainState:
+        """Initial state. With an example batch the parameters and optimizer state are
+        placed on their stage workers now; otherwise on the first step."""
+        leaves, self._treedef = jax.tree_util.tree_flatten(params)
+        for i, x in enumerate(leaves):
+            if not hasattr(x, "dtype") or not jax.dtypes.issubdtype(x.dtype, np.inexact):
+                raise ArgumentError(f"Trainer parameters must be float arrays; leaf {i} is "
+                                    f"{type(x).__name__} {getattr(x, 'dtype', '')}. Keep "
+                                    "constants out of the params pytree (close over them).")
+        self._template = list(leaves)
+        state = TrainState(0, params=tuple(leaves), owner=self._ref)
+        if example_batch:
+            state = self._place(state, self._model(example_batch))
+        self._last = state
+        return state
+
+    def params(self, state: TrainState) -> Any:
+        """The parameters as a concrete pytree (gathered from replica 0's workers)."""
+        leaves, _ = self.gather(state)
+        return jax.tree_util.tree_unflatten(self._treedef, leaves)
+
+    def opt_state(self, state: TrainState) -> list[Any]:
+        """The optimizer state of each group (stage), concrete."""
+        _, opt = self.gather(state)
+        return opt
+
+    def gather(self, state: TrainState) -> tuple[list[Any], list[Any]]:
+        if not state.is_placed:
+            if state.groups is None or state.opt_leaves is None:
+                return list(state.params or ()), []
+            opts = [self._opt_from_leaves(state, g) for g in range(len(state.groups))]
+            return list(state.params or ()), opts
+        ngroups = len(state.groups or ())
+        parts = [state.placed[(0, g)] for g in range(ngroups)]
+        if self.client is not None:
+            parts = self.client.gather(parts)
+        leaves: list[Any] = [None] * sum(len(g) for g in state.groups or ())
+        opts = []
+        for g, part in enumerate(parts):
+            for pos, leaf in enumerate(state.groups[g]):
+                leaves[leaf] = part[pos]
+            opts.append(part[len(state.groups[g])])
+        return leaves, opts
+
+    def _opt_from_leaves(self, state: TrainState, g: int) -> Any:
+        assert state.groups is not None and state.params is not None
+        group_params = [state.params[i] for i in state.groups[g]]
+        template = self.optimizer.init(group_params)
+        if state.opt_leaves is None:
+            return template
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(template),
+                                            list(state.opt_leaves[g]))
+
+    # --- tracing and placement ----------------------------------------------------------
+    def _model(self, batch: Sequence[Any]) -> "_Model":
+        """Trace once per batch signature: the model and its parameter groups (stages)."""
+        r, m = self.replicas, self.microbatches
+        avals = tuple((tuple(np.shape(x)), str(x.dtype)) if hasattr(x, "shape") else x
+                      for x in jax.tree_util.tree_leaves(batch))
+        key = (jax.tree_util.tree_structure(batch), avals)
+        if key in self._cache:
+            return self._cache[key]
+        if self._treedef is None:
+            raise TrainerError("call Trainer.init(params) before Trainer.step")
+        pavals = jax.tree_util.tree_unflatten(self._treedef, [
+            jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in self._template])
+        try:
+            model = trace_model(self.loss_fn, (pavals, *batch), {}, self.options, self.client,
+                                splits=r * m)
+        except MicrobatchError as e:
+            raise MicrobatchError(f"{e} (replicas={r} x microbatches={m})") from None
+        model = dataclasses.replace(model, batch={})   # the values come with each step
+        home = home_stages(model.trace)
+        inputs = [n for n in model.trace.nodes if n.kind != "call"]
+        n_params = len(self._template)
+        param_nodes = inputs[:n_params]
+        batch_nodes = inputs[n_params:]
+        p = max(model.stages) + 1 if model.stages else 1
+        group_of_stage: dict[int, int] = {}
+        groups: list[list[int]] = []
+        for i, node in enumerate(param_nodes):
+            st = home.get(node.index)
+            st = 0 if st is None else st
+            if st not in group_of_stage:
+                group_of_stage[st] = len(groups)
+                groups.append([])
+            groups[group_of_stage[st]].append(i)
+        out = _Model(model, home, [n.index for n in param_nodes],
+                     [n.index for n in batch_nodes], tuple(tuple(g) for g in groups),
+                     [st for st, _ in sorted(group_of_stage.items(), key=lambda kv: kv[1])], p)
+        self._cache[key] = out
+        return out
+
+    def _place(self, state: TrainState, model: "_Model") -> TrainState:
+        """Put each group's parameters + optimizer state on its stage's worker(s)."""
+        if state.groups is not None and state.groups != model.groups:
+            raise ArgumentError("this state's parameter groups do not match the model's stages "
+                                f"({state.groups} vs {model.groups}); was it saved from another "
+                                "model or stage layout?")
+        base = dataclasses.replace(state, groups=model.groups)
+        placed: dict[tuple[int, int], Any] = {}
+        targets = self._targets(model)
+        for g, leaves in enumerate(model.groups):
+            value = (*[base.params[i] for i in leaves], self._opt_from_leaves(base, g))
+            for r in range(self.replicas):
+                if self.client is None:
+                    placed[(r, g)] = value
+                    continue
+                stage = model.group_stage[g] + r * model.p
+                addr = targets.addresses.get(targets.target(stage)) \
+                    if targets.kind == "slots" else targets.target(stage)
+                placed[(r, g)] = self.client.scatter(   # a list: one Future for the tuple
+                    [value], workers=[addr] if isinstance(addr, str) else None, hash=False)[0]
+        return TrainState(state.step, groups=model.groups, placed=placed, owner=self._ref)
+
+    def _targets(self, model: "_Model") -> Targets:
+        stages = set(range(model.p * self.replicas))
+        default = (stage_workers(self.schedule, model.p, self.replicas)
+                   if self.schedule is not None else None)
+        return resolve_targets(stages, self.client, dict(self.options.placement), default)
+
+    # --- one step -----------------------------------------------------------------------
+    def step(self, state: TrainState, *batch: Any) -> tuple[TrainState, Any]:
+        """Submit one training step; returns (new state, loss) without waiting (loss is a
+        Future on a cluster; a concrete scalar on the local scheduler)."""
+        if self._treedef is None:
+            raise TrainerError("call Trainer.init(params) before Trainer.step")
+        if not isinstance(state, TrainState):
+            raise ArgumentError(
+                f"Trainer.step takes the TrainState from Trainer.init (or the previous step), "
+                f"got {type(state).__name__}: state = trainer.init(params); "
+                "state, loss = trainer.step(state, x, t)")
+        if self.client is not None:
+            check_open(self.client)
+        model = self._model(batch)
+        if not state.is_placed:
+            state = self._place(state, model)
+        r_count, m, p = self.replicas, self.microbatches, model.p
+        targets = self._targets(model)
+        direct = (self.schedule is not None
+                  and resolve_dispatch(self.options.dispatch, self.client, targets) == "direct")
+        # a key names one computation: this trainer's step from these very state values
+        # (their Futures' keys) on this batch's content, so a step from another state or
+        # on another batch never shares keys with this one, and the same step again does
+        token = step_token(model.model.trace, ("step", self.options.token()), state.step,
+                           self._uid, _state_identity(state), _batch_token(batch),
+                           program_homes("direct" if direct else "", targets))
+        dsk: dict[str, Any] = {}
+        stage_of: dict[str, int | None] = {}
+        priority: dict[str, int] = {}
+        state_refs: dict[tuple[int, int], Any] = {}
+        for (r, g), value in state.placed.items():  # type: ignore[union-attr]
+            if self.client is None:
+                k = make_key("state", f"g{g}", g, token, model.group_stage[g] + r * p, None)
+                dsk[k] = DataNode(k, value)
+                stage_of[k] = model.group_stage[g] + r * p
+                state_refs[(r, g)] = k
+            else:
+                state_refs[(r, g)] = value
+        replica_loss, replica_grads = [], []
+        leaves = self._batch_leaves(model, batch)
+        for r in range(r_count):
+            resident = {}
+            for g, group in enumerate(model.groups):
+                for pos, leaf in enumerate(group):
+                    resident[model.param_nodes[leaf]] = (state_refs[(r, g)], pos)
+            full = {node: _shard(x, self.options.batch_axis, r, r_count)
+                    for node, x in zip(model.batch_nodes, leaves)}
+            home = {k: (v + r * p if v is not None else None) for k, v in model.home.items()}
+            pg = lower_pipeline(replace_stages(model.model.trace, r * p), model.model.plan,
+                                f"{token[:12]}{r:04x}", microbatches=m,
+                                schedule=self.schedule, batch=full,
+                                axis=self.options.batch_axis, inputs=resident, home=home,
+                                loss=model.model.loss, stage_offset=r * p)
+            dsk.update(pg.dsk)
+            stage_of.update(pg.stage_of)
+            priority.update(pg.priority)
+            replica_loss.append(pg.loss_key)
+            replica_grads.append(pg.grad_keys)
+        summed = tree_allreduce(dsk, stage_of, replica_grads, model.param_nodes, model.home, p,
+                                token)
+        scaled = ScaledOptimizer(self.optimizer, r_count, f"{self._uid}-r{r_count}")
+        new_placed: dict[tuple[int, int], str] = {}
+        for r in range(r_count):
+            for g, group in enumerate(model.groups):
+                stage = model.group_stage[g] + r * p
+                k = make_key("update", f"g{g}", g, token, stage, r)
+                grads = [TaskRef(summed[model.param_nodes[i]]) for i in group]
+                state_ref = state_refs[(r, g)]
+                ref = TaskRef(state_ref) if isinstance(state_ref, str) else state_ref
+                dsk[k] = Task(k, update_task, scaled, len(group), ref, *grads)
+                stage_of[k] = stage
+                new_placed[(r, g)] = k
+        lk = make_key("loss", "step", state.step, token)
+        dsk[lk] = Task(lk, mean_task, *map(TaskRef, replica_loss))
+        stage_of[lk] = None
+        # direct dispatch: the new parameters come straight from their stage's program
+        # (the next step's program on that worker reads them without a cross-worker
+        # Dask edge); the loss waits for the whole step
+        graph = assemble(dsk, stage_of, targets, token, priority=priority,
+                         direct={lk} if direct else None, outputs=set(new_placed.values()))
+        outs = to_delayed(graph, [OutKey(lk)] + [OutKey(k) for k in new_placed.values()])
+        if self.client is None:
+            values = dask.compute(*outs, scheduler="threads")
+        else:
+            values = self.client.compute(outs)
+        loss = values[0]
+        placed = dict(zip(new_placed, values[1:]))
+        self._last = TrainState(state.step + 1, groups=model.groups, placed=placed, owner=self._ref)
+        return self._last, loss
+
+    def _batch_leaves(self, model: "_Model", batch: Sequence[Any]) -> list[Any]:
+        args = (None, *batch)
+        out = []
+        for i in model.model.batch_argnums:
+            out.extend(x for x in jax.tree_util.tree_leaves(args[i]) if hasattr(x, "shape"))
+        return out
+
+    def fit(self, batches: Iterable[Sequence[Any]], steps: int | None = None,
+            progress: bool | None = None, state: TrainState | None = None,
+            params: Any = None) -> tuple[TrainState, list[float]]:
+        """Run `steps` steps (default: all batches) from `state` (default: the latest state
+        of this trainer, from `init` or `step`; or `init(params)` when given), submitting
+        ahead. Returns (state, losses). `progress`: a tqdm bar with the loss (True; the
+        default None shows one when tqdm, the ``progress`` extra, is installed)."""
+        if params is not None and state is None:
+            state = self.init(params)
+        if state is None:
+            state = self._last
+        if state is None:
+            raise TrainerError("fit needs a state: call trainer.init(params) first, or pass "
+                               "state= or params=")
+        total = steps
+        if total is None and hasattr(batches, "__len__"):
+            total = len(batches)  # type: ignore[arg-type]
+        if progress is None:
+            progress = available("tqdm")
+        tqdm = require("tqdm.auto", "Trainer.fit(progress=True)").tqdm if progress else None
+        bar = (tqdm(total=total, desc="train", unit="step") if tqdm is not None
+               else _NoBar())
+        pending: list[tuple[Any, TrainState]] = []    # (loss, the state it leads to)
+        losses: list[float] = []
+        finished = state                              # the last state whose step ended
+
+        def take_one() -> None:
+            nonlocal finished
+            loss, after = pending.pop(0)
+            losses.append(float(_result(loss)))
+            finished = after
+            bar.set_postfix(loss=f"{losses[-1]:.4f}")
+            bar.update(1)
+
+        try:
+            for i, batch in enumerate(batches):
+                if steps is not None and i >= steps:
+                    break
+                if not isinstance(batch, (tuple, list)):
+                    raise ArgumentError(
+                        f"Trainer.fit takes an iterable of batches, each a tuple of the loss "
+                        f"function's batch arguments (e.g. [(x0, t0), (x1, t1), ...]); batch "
+                        f"{i} is a {type(batch).__name__}")
+                state, loss = self.step(state, *batch)
+                pending.append((loss, state))
+                while len(pending) > 2:  # keep two steps in flight
+                    take_one()
+            while pending:
+                take_one()
+        except KeyboardInterrupt:
+            # Ctrl-C: keep the steps that already ended, let go of the others (released
+            # futures stop their programs on the workers; this frame, kept alive by the
+            # traceback, must not hold them), and make the last finished state this
+            # trainer's latest
+            while pending and getattr(pending[0][0], "status", "finished") == "finished":
+                take_one()
+            pending.clear()
+            state = loss = None               # noqa: F841 - drop the in-flight futures
+            self._last = finished
+            bar.close()
+            warnings.warn(f"Trainer.fit interrupted after {len(losses)} finished step(s); "
+                          f"trainer.fit(...) goes on from step {finished.step} (the state "
+                          "of the last finished step)", stacklevel=2)
+            raise
+        bar.close()
+        if steps is not None and len(losses) < steps:
+            warnings.warn(f"Trainer.fit: the batches ran out after {len(losses)} of "
+                          f"steps={steps} steps; pass more batches (e.g. "
+                          "itertools.cycle(batches)) to train longer", stacklevel=2)
+        return state, losses
+
+
+def _state_identity(state: TrainState) -> Any:
+    """The Dask keys of a placed state's values (or the values, on the local scheduler)."""
+    out = []
+    for rg, v in sorted((state.placed or {}).items()):
+        key = getattr(v, "key", None)
+        out.append((rg, key if key is not None else _batch_token([v])))
+    return tuple(out)
+
+
+def _batch_token(batch: Any) -> str:
+    """A content token of a step's batch (cached per jax array by dagdiff's tokenizer)."""
+    return tokenize(*jax.tree_util.tree_leaves(batch), ensure_deterministic=False)
+
+
+def _result(x: Any) -> Any:
+    return x.result() if hasattr(x, "result") else x
+
+
+def _shard(x: Any, axis: int, r: int, n: int) -> Any:
+    if n == 1:
+        return x
+    size = x.shape[axis] // n
+    index = [slice(None)] * x.ndim
+    index[axis] = slice(r * size, (r + 1) * size)
+    return x[tuple(index)]
+
+
+class _NoBar:
+    """What `fit` updates when no progress bar is shown."""
+
+    def set_postfix(self, **kwargs: Any) -> None:
+        pass
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class _Model:
+    """A Trainer's traced model (per batch signature) and its parameter groups: group g
+    holds the parameter leaves `groups[g]`, all read first on stage `group_stage[g]`."""
+
+    model: Model
+    home: Mapping[int, int | None]
+    param_nodes: list[int]
+    batch_nodes: list[int]
+    groups: tuple[tuple[int, ...], ...]
+    group_stage: list[int]
+    p: int
