@@ -1,11 +1,18 @@
 """Trainer throughput: steps/s of dd.Trainer.step vs a plain jax.jit + optax step on the same
-model and data, and 2 replicas vs 1 (with the all-reduce's share of the step).
+model and data, and 2 replicas vs 1 (with the all-reduce's share of the step); then what
+fault tolerance costs: recover=True (a copy of each stage's new state sent to the next
+worker every step) against recover=False, interleaved, and the time from a SIGKILLed
+worker to the end of the retried step.
 Ratios only (noisy shared machine).
-Usage: python benchmarks/bench_train.py [--width 512] [--steps 10]
+Usage: python benchmarks/bench_train.py [--width 512] [--steps 10] [--rounds 4]
 """
 from __future__ import annotations
 
 import argparse
+import os
+import signal
+import statistics
+import threading
 import time
 from typing import Any
 
@@ -25,6 +32,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=4,
+                    help="recover=True / recover=False rounds, interleaved (default 4)")
     a = ap.parse_args()
     key = jax.random.PRNGKey(0)
     params = [{"w": jax.random.normal(jax.random.fold_in(key, i), (a.width, a.width))
@@ -74,8 +83,62 @@ def main() -> None:
               f"(ratio to jit {rates[replicas] * t_jit:.2f}; all-reduce {share:.1%} of task time)")
     print(f"  2 replicas vs 1: {rates[2] / rates[1]:.2f}x steps/s (each replica gets half "
           "the batch)")
+    recovery_cost(client, params, batches, opt, a)
     client.close()
     cluster.close()
+
+
+def _fit_time(client: Any, params: Any, batches: list[Any], opt: Any, a: Any,
+              recover: bool) -> float:
+    tr = dd.Trainer(loss_fn, opt, microbatches=a.microbatches, schedule="1f1b",
+                    client=client, recover=recover)
+    state, _ = tr.fit(batches[:2], params=params, progress=False)    # compile, place
+    t0 = time.perf_counter()
+    tr.fit(batches, state=state, progress=False)
+    return (time.perf_counter() - t0) / len(batches)
+
+
+def recovery_cost(client: Any, params: Any, batches: list[Any], opt: Any, a: Any) -> None:
+    """recover=True vs recover=False on 1 replica (the case that pays for copies), and the
+    time from a kill to the retried step's end."""
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(a.rounds):
+        for recover in (False, True):
+            times[recover].append(_fit_time(client, params, batches, opt, a, recover))
+    on, off = statistics.median(times[True]), statistics.median(times[False])
+    print(f"  fault tolerance, 1 replica: step {on * 1e3:.1f} ms with recover=True (a copy "
+          f"of every stage's state per step) vs {off * 1e3:.1f} ms with recover=False: "
+          f"{on / off - 1:+.1%} (median of {a.rounds} interleaved fits of {len(batches)} steps)")
+    tr = dd.Trainer(loss_fn, opt, microbatches=a.microbatches, schedule="1f1b", client=client)
+    state, _ = tr.fit(batches[:2], params=params, progress=False)
+    killed: list[float] = []
+
+    def kill() -> None:
+        deadline = time.time() + 10
+        while time.time() < deadline and not any(client.run(_running).values()):
+            time.sleep(0.005)
+        pids = client.run(os.getpid)
+        victim = sorted(pids)[-1]
+        killed.append(time.time())
+        os.kill(pids[victim], signal.SIGKILL)
+
+    thread = threading.Thread(target=kill)
+    thread.start()
+    tr.fit(batches * 3, state=state, progress=False)
+    thread.join()
+    for rec in tr.recoveries:
+        end = rec.failed_at + rec.seconds
+        print(f"  a worker SIGKILLed mid-step: step {rec.step} failed "
+              f"{rec.failed_at - killed[0]:.1f} s after the kill and its retry ended "
+              f"{end - killed[0]:.1f} s after it ({rec.seconds:.1f} s of recovery: waiting for "
+              f"the replacement worker, restoring {len(rec.restored)} state(s) from "
+              f"{', '.join(sorted({s for _, _, s in rec.restored})) or '-'})")
+    if not tr.recoveries:
+        print("  (the kill did not hit a step: no recovery)")
+
+
+def _running(dask_worker: Any) -> int:
+    return len(dask_worker.extensions["dagdiff"]._running)
 
 
 if __name__ == "__main__":

@@ -48,6 +48,8 @@ from .errors import (
 )
 from .inspect.graph import TracedGraph
 from .inspect.metrics import peak_live, remat_count, reset_peak_live, reset_remat_count
+from .inspect.planner import Prediction, best_schedule, predict
+from .inspect.profile import Profile, profile
 from .inspect.record import record
 from .runtime.direct import install
 from .runtime.serialize import register as _register_serializers
@@ -79,6 +81,11 @@ __all__ = [
     "local_cluster",
     "key_info",
     "record",
+    "profile",
+    "Profile",
+    "predict",
+    "Prediction",
+    "best_schedule",
     "trace",
     "TracedGraph",
     "KeyInfo",

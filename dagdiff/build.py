@@ -21,7 +21,7 @@ from dask.highlevelgraph import HighLevelGraph
 from .cluster.info import workers_info
 from .cluster.residency import resident_inputs
 from .cluster.targets import Targets, resolve_targets
-from .core.auto import auto_stages
+from .core.auto import CostSource, auto_stages, is_cost_source
 from .core.backward import BackwardPlan, build_backward
 from .core.fuse import fuse_trace
 from .core.microbatch import microbatch_avals
@@ -60,7 +60,7 @@ class Options:
     schedule: Schedule | None = None
     batch_argnums: tuple[int, ...] | None = None
     batch_axis: int = 0
-    stages: int | str | None = None
+    stages: int | str | CostSource | None = None
     placement: tuple[tuple[int, Any], ...] = ()
     fuse: bool = False
     resident: bool = True
@@ -70,7 +70,8 @@ class Options:
     def make(cls, where: str, *, argnums: int | Sequence[int] = 0, has_aux: bool = False,
              microbatches: int = 1, schedule: Any = None,
              batch_argnums: Sequence[int] | None = None, batch_axis: int = 0,
-             stages: int | str | None = None, placement: Mapping[int, Any] | None = None,
+             stages: int | str | CostSource | None = None,
+             placement: Mapping[int, Any] | None = None,
              fuse: bool | None = None, resident: bool = True,
              dispatch: str | None = None) -> "Options":
         """Validate the keywords of `where` (e.g. ``"dd.value_and_grad"``)."""
@@ -80,9 +81,10 @@ class Options:
         if dispatch not in (None, *DISPATCH_MODES):
             raise ArgumentError(f"{where}: dispatch must be 'direct', 'scheduler' or None, got "
                                 f"{dispatch!r}")
-        if not (stages is None or stages == "auto" or _pos_int(stages)):
-            raise ArgumentError(f"{where}: stages must be 'auto', a positive int or None, got "
-                                f"{stages!r}")
+        if not (stages is None or (isinstance(stages, str) and stages == "auto")
+                or _pos_int(stages) or is_cost_source(stages)):
+            raise ArgumentError(f"{where}: stages must be 'auto', a positive int, a dd.Profile "
+                                f"(balance by its measured times) or None, got {stages!r}")
         if not isinstance(batch_axis, int) or isinstance(batch_axis, bool):
             raise ArgumentError(f"{where}: batch_axis must be an int, got {batch_axis!r}")
         if placement is not None and not isinstance(placement, Mapping):
@@ -227,8 +229,11 @@ def _note_split(e: BaseException, args: Sequence[Any], kwargs: Mapping[str, Any]
 
 def _prepare(trace: Trace, loss: Traced, aux: Any, client: Any,
              options: Options) -> tuple[Trace, Traced, Any]:
-    """Apply stages="auto"/int and fusion to a fresh trace; remaps loss and aux."""
-    if options.stages is not None:
+    """Apply stages="auto"/int/profile and fusion to a fresh trace; remaps loss and aux."""
+    if is_cost_source(options.stages):         # a dd.Profile: its measured times
+        source: Any = options.stages
+        trace = auto_stages(trace, source.num_stages, source.layer_costs_for(trace))
+    elif options.stages is not None:
         n = options.stages if options.stages != "auto" else (
             len(workers_info(client)) if client is not None else len(jax.local_devices()))
         trace = auto_stages(trace, n)

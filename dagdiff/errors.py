@@ -19,6 +19,7 @@ __all__ = [
     "CustomRuleError",
     "CycleError",
     "TrainerError",
+    "LostStateError",
     "MissingDependencyError",
 ]
 
@@ -94,6 +95,11 @@ class CycleError(DagdiffError, ValueError):
 
 class TrainerError(DagdiffError, RuntimeError):
     """A `dd.Trainer` was used out of order (e.g. a step before `init`)."""
+
+
+class LostStateError(TrainerError):
+    """Part of a training state was lost with its worker and no replica or copy holds it
+    (the message names the stage and how to resume from a checkpoint)."""
 
 
 class MissingDependencyError(DagdiffError, ImportError):

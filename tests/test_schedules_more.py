@@ -509,14 +509,14 @@ class Table(Schedule):
 
     def __init__(self, name: str, table: list[list[Action]], layout: list[list[int]],
                  split: bool) -> None:
-        self.name, self.table, self.layout = name, table, layout
+        self.name, self.fixed, self.layout = name, table, layout
         self.split_backward, self.virtual_stages = split, len(layout[0])
 
     def stage_layout(self, num_workers: int) -> list[list[int]]:
         return self.layout
 
     def orders(self, num_stages: int, microbatches: int) -> list[list[Action]]:
-        return self.table
+        return self.fixed
 
 
 def torch_schedule(name: str, p: int, m: int, v: int = 2) -> Table:

@@ -1,8 +1,9 @@
-"""`stages="auto"`: split an unstaged trace into stages balanced by estimated cost."""
+"""`stages="auto"`: split an unstaged trace into stages balanced by estimated cost (XLA's
+estimate, or measured times from a `CostSource` such as `dd.Profile`)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 import jax
 
@@ -10,7 +11,26 @@ from ..errors import PlacementError
 from .tracer import Trace
 
 
-__all__ = ["node_costs", "balanced_split", "auto_stages"]
+__all__ = ["CostSource", "node_costs", "balanced_split", "auto_stages", "is_cost_source"]
+
+
+@runtime_checkable
+class CostSource(Protocol):
+    """Measured costs to balance stages by (`dd.Profile` is one): how many stages to make,
+    and the cost of each call node of an unstaged trace (``stages=profile``)."""
+
+    @property
+    def num_stages(self) -> int:
+        """How many stages to split the model into."""
+
+    def layer_costs_for(self, trace: Any) -> list[float]:
+        """One cost (seconds) per call node of `trace`, in trace order; raises a
+        DagdiffError when `trace` is not the model the costs were measured on."""
+
+
+def is_cost_source(value: object) -> bool:
+    """True for an object `auto_stages` can take costs from (`CostSource`)."""
+    return not isinstance(value, (str, int, type)) and isinstance(value, CostSource)
 
 
 def node_costs(trace: Any) -> list[float]:
@@ -75,13 +95,21 @@ def balanced_split(costs: list[float], k: int) -> list[int]:
     return stages
 
 
-def auto_stages(trace: Any, n: int) -> Any:
-    """A copy of `trace` whose unstaged call nodes are split into `n` balanced stages."""
+def auto_stages(trace: Any, n: int, costs: Sequence[float] | None = None) -> Any:
+    """A copy of `trace` whose unstaged call nodes are split into `n` balanced stages, by
+    `costs` (one per call node, e.g. measured seconds) or else XLA's `node_costs`."""
     calls = [x for x in trace.nodes if x.kind == "call"]
     if any(x.stage is not None for x in calls):
         raise PlacementError("stages='auto' needs an unstaged model, but some layers have "
                              "stages; drop stage=/dd.stage or pass stages=None")
-    split = iter(balanced_split(node_costs(trace), n))
+    if costs is None:
+        costs = node_costs(trace)
+    elif len(costs) != len(calls) or any(
+            not isinstance(c, (int, float)) or isinstance(c, bool) or c < 0 for c in costs):
+        raise PlacementError(f"stage balancing got {len(costs)} costs for {len(calls)} layer "
+                             f"calls (or a cost that is not a number >= 0): {list(costs)[:8]}; "
+                             "pass one cost >= 0 per layer call, in trace order")
+    split = iter(balanced_split([float(c) for c in costs], n))
     new = Trace(trace.name)
     new.nodes = [dataclasses.replace(x, stage=next(split)) if x.kind == "call" else x
                  for x in trace.nodes]

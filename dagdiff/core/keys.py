@@ -36,6 +36,7 @@ PHASES: dict[str, str] = {
     "done": "done",
     "prog": "program",
     "run": "run",
+    "backup": "backup",
 }
 _PREFIX = {v: k for k, v in PHASES.items()}
 

@@ -2,4 +2,5 @@
 the multimodal model, sleep stand-in stages."""
 from __future__ import annotations
 
+
 __all__: list[str] = []

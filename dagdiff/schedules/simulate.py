@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 from ..errors import ScheduleError
 from .action import Action
@@ -31,6 +32,9 @@ def simulate(
     i: float | None = None,
     w: float | None = None,
     comm: float = 0.0,
+    *,
+    stage_costs: Mapping[int, Mapping[str, float]] | None = None,
+    edge_comm: Mapping[tuple[int, int], float] | None = None,
 ) -> SimResult:
     """Run each worker's actions strictly in order, each as early as dependencies allow.
 
@@ -41,21 +45,27 @@ def simulate(
     worker (none between the two stages a V layout keeps on one worker). Costs: F = f,
     B = b, I = i and W = w (both default to b / 2), each divided by the number of
     virtual stages. ``bubble_fraction`` = 1 - sum(busy) / (p * makespan).
+
+    Measured costs (`dagdiff.inspect.planner` passes a profile's): ``stage_costs[g]`` maps
+    kinds "F", "B", "I", "W" to the cost of one action at global stage g, as is (not
+    divided by the virtual stages); a kind it leaves out is derived from the stage's
+    others (B = I + W when both are given, I = W = B / 2 when B is) or else takes the
+    uniform cost above. ``edge_comm[(src, dst)]`` replaces ``comm`` on the dependency of
+    an action at global stage dst on one at src (forward: (g - 1, g), backward:
+    (g + 1, g)) when the two stages live on different workers.
     """
     sched = get_schedule(schedule)
     orders = sched.table(num_stages, microbatches)
     p, v = num_stages, sched.virtual_stages
     costs = {"F": f, "B": b, "I": b / 2 if i is None else i, "W": b / 2 if w is None else w}
     for label, value in (*costs.items(), ("comm", comm)):
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-            raise schedule_error(
-                sched.name, num_stages, microbatches,
-                f"cost {label}={value!r} is not a number >= 0", "pass non-negative costs",
-            )
+        _check_cost(sched.name, num_stages, microbatches, label, value)
     costs = {kind: cost / v for kind, cost in costs.items()}
     last = p * v - 1
     layout = sched.checked_layout(p)
     worker_of = {g: s for s, stages in enumerate(layout) for g in stages}
+    per_stage = _stage_costs(sched.name, num_stages, microbatches, costs, stage_costs, last)
+    edges = _edge_comm(sched.name, num_stages, microbatches, edge_comm, last)
 
     for s, worker in enumerate(orders):
         seen: set[Action] = set()
@@ -90,7 +100,7 @@ def simulate(
             t = finished.get((phase, dg, a.microbatch))
             if t is None:
                 return None
-            start = max(start, t + (comm if worker_of[dg] != s else 0.0))
+            start = max(start, t + (edges.get((dg, g), comm) if worker_of[dg] != s else 0.0))
         return start
 
     progress = True
@@ -104,8 +114,8 @@ def simulate(
                 if dep_time is None:
                     break
                 start = max(clock[s], dep_time)
-                end = start + costs[a.kind]
                 g = layout[s][a.chunk]
+                end = start + per_stage[g][a.kind]
                 if a.kind == "F":
                     finished[("F", g, a.microbatch)] = end
                 elif a.kind in ("B", "I"):
@@ -138,6 +148,73 @@ def simulate(
         bubble_fraction=bubble,
         spans=tuple(tuple(worker) for worker in spans),
     )
+
+
+def _check_cost(name: str, p: object, m: object, label: str, value: object) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+        raise schedule_error(name, p, m, f"cost {label}={value!r} is not a number >= 0",
+                             "pass non-negative costs")
+
+
+def _stage_costs(name: str, p: int, m: int, uniform: Mapping[str, float],
+                 given: Mapping[int, Mapping[str, float]] | None, last: int
+                 ) -> list[dict[str, float]]:
+    """Per global stage, the cost of each action kind (see `simulate`)."""
+    given = {} if given is None else given
+    if not isinstance(given, Mapping):
+        raise schedule_error(name, p, m, f"stage_costs must be a mapping stage -> "
+                             f"{{kind: cost}}, got {type(given).__name__}",
+                             "pass e.g. {0: {'F': 1.0, 'B': 2.0}, 1: {...}}")
+    outside = sorted((g for g in given
+                      if not (isinstance(g, int) and not isinstance(g, bool) and 0 <= g <= last)),
+                     key=repr)
+    if outside:
+        raise schedule_error(name, p, m, f"stage_costs names stage(s) {outside} outside the "
+                             f"schedule's global stages 0..{last}",
+                             f"key stage_costs by global stage 0..{last}")
+    out = []
+    for g in range(last + 1):
+        sc = given.get(g, {})
+        if not isinstance(sc, Mapping):
+            raise schedule_error(name, p, m, f"stage_costs[{g}] must map kinds to costs, got "
+                                 f"{sc!r}", "pass e.g. {'F': 1.0, 'B': 2.0}")
+        unknown = sorted(set(sc) - set(uniform), key=repr)
+        if unknown:
+            raise schedule_error(name, p, m, f"stage_costs[{g}] has unknown kind(s) {unknown}",
+                                 "use the kinds F, B, I, W")
+        for kind, value in sc.items():
+            _check_cost(name, p, m, f"{kind} of stage {g}", value)
+        stage = dict(uniform)
+        stage.update({k: float(x) for k, x in sc.items()})
+        if "B" not in sc and "I" in sc and "W" in sc:
+            stage["B"] = stage["I"] + stage["W"]
+        if "B" in sc:
+            for kind in ("I", "W"):
+                if kind not in sc:
+                    stage[kind] = stage["B"] / 2
+        out.append(stage)
+    return out
+
+
+def _edge_comm(name: str, p: int, m: int, given: Mapping[tuple[int, int], float] | None,
+               last: int) -> dict[tuple[int, int], float]:
+    """`edge_comm` checked: (src, dst) global stages -> seconds >= 0."""
+    if given is None:
+        return {}
+    if not isinstance(given, Mapping):
+        raise schedule_error(name, p, m, f"edge_comm must be a mapping (src, dst) -> cost, "
+                             f"got {type(given).__name__}", "pass e.g. {(0, 1): 0.5, (1, 0): 0.5}")
+    out = {}
+    for edge, value in given.items():
+        ok = (isinstance(edge, tuple) and len(edge) == 2
+              and all(isinstance(g, int) and not isinstance(g, bool) and 0 <= g <= last
+                      for g in edge))
+        if not ok:
+            raise schedule_error(name, p, m, f"edge_comm key {edge!r} is not a pair of global "
+                                 f"stages in 0..{last}", "key edge_comm by (src, dst) stages")
+        _check_cost(name, p, m, f"comm of edge {edge}", value)
+        out[edge] = float(value)
+    return out
 
 
 # Schedules with a textbook formula; the others (zb-v, dualpipev, interleaved-zb, user

@@ -12,6 +12,8 @@ back to the client.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 import uuid
 import warnings
 import weakref
@@ -33,21 +35,25 @@ from ..build import (
     step_token,
     trace_model,
 )
-from ..cluster.info import check_open, current_client
+from ..cluster.info import check_open, current_client, slot_names
 from ..cluster.targets import Targets, resolve_targets
 from ..core.keys import make_key
 from ..core.tracer import home_stages
-from ..errors import ArgumentError, MicrobatchError, TrainerError
+from ..errors import ArgumentError, MicrobatchError, PlacementError, TrainerError
 from ..extras import available, require
 from ..lowering.graph import OutKey, assemble, to_delayed
 from ..lowering.pipeline import lower_pipeline, stage_workers
+from ..runtime.direct import RESOURCE_SHARE
 from ..runtime.tasks import mean_task
 from ..runtime.taskspec import DataNode, Task, TaskRef
 from .allreduce import tree_allreduce
 from .optimizer import ScaledOptimizer, update_task
+from .recovery import LostStateError, Recovery, copy_task, lost_workers, restore
 
 
 __all__ = ["Trainer", "TrainState"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,13 @@ class TrainState:
     groups: tuple[tuple[int, ...], ...] | None = None
     placed: Mapping[tuple[int, int], Any] | None = None  # (replica, group) -> Future/tuple
     owner: Any = dataclasses.field(default=None, repr=False, compare=False)  # weakref
+    #: a second copy of each placed value, for recovery: a Future on another worker, or
+    #: the concrete value (the initial state, kept on the client)
+    backup: Mapping[tuple[int, int], Any] | None = dataclasses.field(
+        default=None, repr=False, compare=False)
+    #: the worker address each placed value was made on
+    where: Mapping[tuple[int, int], str] | None = dataclasses.field(
+        default=None, repr=False, compare=False)
 
     @property
     def trainer(self) -> "Trainer | None":
@@ -90,7 +103,8 @@ class Trainer:
                  client: Any = None, *,
                  stages: int | str | None = None, placement: Mapping[int, Any] | None = None,
                  fuse: bool | None = None, batch_argnums: Sequence[int] | None = None,
-                 batch_axis: int = 0, dispatch: str | None = None) -> None:
+                 batch_axis: int = 0, dispatch: str | None = None, recover: bool = True,
+                 max_retries: int = 3) -> None:
         for label, value in (("replicas", replicas), ("microbatches", microbatches)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ArgumentError(f"Trainer: {label} must be a positive int, got {value!r}")
@@ -105,6 +119,13 @@ class Trainer:
                                     schedule=schedule, batch_argnums=batch_argnums,
                                     batch_axis=batch_axis, stages=stages, placement=placement,
                                     fuse=fuse, dispatch=dispatch)
+        if not isinstance(max_retries, int) or isinstance(max_retries, bool) or max_retries < 0:
+            raise ArgumentError(f"Trainer: max_retries must be an int >= 0, got {max_retries!r}")
+        self.recover = bool(recover)
+        self.max_retries = max_retries
+        #: every failure `fit` recovered from (see `dagdiff.train.recovery.Recovery`)
+        self.recoveries: list[Recovery] = []
+        self._slots_seen: set[str] = set()
         self.microbatches = microbatches
         self.schedule = self.options.schedule
         self.replicas = replicas
@@ -218,25 +239,48 @@ class Trainer:
                                 "model or stage layout?")
         base = dataclasses.replace(state, groups=model.groups)
         placed: dict[tuple[int, int], Any] = {}
+        values: dict[tuple[int, int], Any] = {}
+        where: dict[tuple[int, int], str] = {}
         targets = self._targets(model)
         for g, leaves in enumerate(model.groups):
             value = (*[base.params[i] for i in leaves], self._opt_from_leaves(base, g))
             for r in range(self.replicas):
+                values[(r, g)] = value
                 if self.client is None:
                     placed[(r, g)] = value
                     continue
-                stage = model.group_stage[g] + r * model.p
-                addr = targets.addresses.get(targets.target(stage)) \
-                    if targets.kind == "slots" else targets.target(stage)
-                placed[(r, g)] = self.client.scatter(   # a list: one Future for the tuple
-                    [value], workers=[addr] if isinstance(addr, str) else None, hash=False)[0]
-        return TrainState(state.step, groups=model.groups, placed=placed, owner=self._ref)
+                addr = _address(targets, model.group_stage[g] + r * model.p)
+                placed[(r, g)] = self._scatter(value, addr)
+                if addr is not None:
+                    where[(r, g)] = addr
+        return TrainState(state.step, groups=model.groups, placed=placed, owner=self._ref,
+                          backup=values if self.recover else None, where=where)
 
-    def _targets(self, model: "_Model") -> Targets:
+    def _scatter(self, value: Any, addr: str | None) -> Any:
+        return self.client.scatter(   # a list: one Future for the whole tuple
+            [value], workers=[addr] if addr is not None else None, hash=False)[0]
+
+    def _targets(self, model: "_Model", timeout: float = 300.0) -> Targets:
+        """Where each stage runs. After a lost worker (a slot this trainer ran on is not
+        back yet), wait for its replacement when recovering, up to `timeout` s."""
         stages = set(range(model.p * self.replicas))
         default = (stage_workers(self.schedule, model.p, self.replicas)
                    if self.schedule is not None else None)
-        return resolve_targets(stages, self.client, dict(self.options.placement), default)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                targets = resolve_targets(stages, self.client, dict(self.options.placement),
+                                          default)
+            except PlacementError:
+                if not (self.recover and self.client is not None and self._slots_seen
+                        and self._slots_seen - set(slot_names(self.client).values())
+                        and time.monotonic() < deadline):
+                    raise
+                time.sleep(0.25)
+                continue
+            if targets.kind == "slots":
+                self._slots_seen |= set(targets.addresses)
+            return targets
 
     # --- one step -----------------------------------------------------------------------
     def step(self, state: TrainState, *batch: Any) -> tuple[TrainState, Any]:
@@ -254,6 +298,14 @@ class Trainer:
         model = self._model(batch)
         if not state.is_placed:
             state = self._place(state, model)
+        elif self.client is not None:
+            t0 = time.monotonic()
+            state, done = self._restored(state, model)
+            if done:
+                self.recoveries.append(Recovery(
+                    state.step, tuple(sorted({(state.where or {}).get((r, g), "?")
+                                              for r, g, _ in done})),
+                    done, 0, time.monotonic() - t0, "the step's input state was lost"))
         r_count, m, p = self.replicas, self.microbatches, model.p
         targets = self._targets(model)
         direct = (self.schedule is not None
@@ -325,8 +377,72 @@ class Trainer:
             values = self.client.compute(outs)
         loss = values[0]
         placed = dict(zip(new_placed, values[1:]))
-        self._last = TrainState(state.step + 1, groups=model.groups, placed=placed, owner=self._ref)
+        where = {}
+        backup = None
+        if self.client is not None:
+            where = {(r, g): a for (r, g) in placed
+                     if (a := _address(targets, model.group_stage[g] + r * p)) is not None}
+            if self.recover and r_count == 1:      # replicas hold each other's copies
+                backup = self._copies(placed, model, targets, token)
+        self._last = TrainState(state.step + 1, groups=model.groups, placed=placed,
+                                owner=self._ref, backup=backup, where=where)
         return self._last, loss
+
+    def _copies(self, placed: Mapping[tuple[int, int], Any], model: "_Model",
+                targets: Targets, token: str) -> dict[tuple[int, int], Any]:
+        """A copy of each new state value on the next worker (slots in order), sent
+        after the step's update, off its critical path; none on a one-worker cluster."""
+        ring = sorted(targets.addresses) if targets.kind == "slots" else sorted(
+            set(targets.of.values()))
+        out = {}
+        for (r, g), fut in placed.items():
+            stage = model.group_stage[g] + r * model.p
+            home = targets.target(stage)
+            if home not in ring or len(ring) < 2:
+                continue
+            other = ring[(ring.index(home) + 1) % len(ring)]
+            where = ({"resources": {other: RESOURCE_SHARE}} if targets.kind == "slots"
+                     else {"workers": [other]})
+            out[(r, g)] = self.client.submit(
+                copy_task, fut, key=make_key("backup", f"g{g}", g, token, stage, r), **where)
+        return out
+
+    def _restored(self, state: TrainState, model: "_Model", ask: bool = False
+                  ) -> tuple[TrainState, tuple[tuple[int, int, str], ...]]:
+        """`state` with any value lost with its worker replaced from a replica or copy
+        (LostStateError when none holds it); `state` itself when nothing is lost. `ask`:
+        ask the scheduler which values it still has (after a loss, before the client's
+        futures hear of it), instead of reading the futures' status."""
+        assert state.placed is not None
+        bad = [f for f in state.placed.values() if getattr(f, "status", "finished") == "error"]
+        if bad and not ask:
+            raise TrainerError(
+                f"this state (step {state.step}) is the result of a step that failed "
+                f"({type(bad[0].exception()).__name__}: {str(bad[0].exception())[:300]}); "
+                "step from the state before it (trainer.fit keeps it for you)")
+        if not ask and all(getattr(f, "status", "finished") in ("finished", "pending")
+                           for f in state.placed.values()):
+            return state, ()
+        if not self.recover:
+            raise LostStateError(
+                f"part of this state (step {state.step}) was lost with its worker, and the "
+                "Trainer has recover=False; resume from a checkpoint (dd.load)")
+        kept = state.backup or {}
+        copies = {rg: v for rg, v in kept.items() if hasattr(v, "key")}
+        targets = self._targets(model)
+
+        def rescatter(r: int, g: int) -> Any:     # the initial state: the client has it
+            return self._scatter(kept[(r, g)],
+                                 _address(targets, model.group_stage[g] + r * model.p))
+
+        concrete = bool(kept) and not copies
+        placed, done = restore(self.client, state.placed, copies, model.group_stage, model.p,
+                               state.where, rescatter if concrete else None)
+        if done:
+            log.warning("dagdiff: Trainer restored %s of step %d after a lost worker",
+                        ", ".join(f"replica {r} group {g} from {src}" for r, g, src in done),
+                        state.step)
+        return dataclasses.replace(state, placed=placed), done
 
     def _batch_leaves(self, model: "_Model", batch: Sequence[Any]) -> list[Any]:
         args = (None, *batch)
@@ -341,7 +457,13 @@ class Trainer:
         """Run `steps` steps (default: all batches) from `state` (default: the latest state
         of this trainer, from `init` or `step`; or `init(params)` when given), submitting
         ahead. Returns (state, losses). `progress`: a tqdm bar with the loss (True; the
-        default None shows one when tqdm, the ``progress`` extra, is installed)."""
+        default None shows one when tqdm, the ``progress`` extra, is installed).
+
+        A step that fails because a worker was lost (or restarted) runs again once its
+        replacement is up, from the state before it with the lost stage's values taken
+        from another replica or their copy (``recover=True``, at most `max_retries` times
+        per step): `fit` returns what an undisturbed run returns. Each recovery is in
+        `trainer.recoveries`. Any other error is raised as it is."""
         if params is not None and state is None:
             state = self.init(params)
         if state is None:
@@ -357,17 +479,62 @@ class Trainer:
         tqdm = require("tqdm.auto", "Trainer.fit(progress=True)").tqdm if progress else None
         bar = (tqdm(total=total, desc="train", unit="step") if tqdm is not None
                else _NoBar())
-        pending: list[tuple[Any, TrainState]] = []    # (loss, the state it leads to)
+        pending: list[_InFlight] = []
         losses: list[float] = []
         finished = state                              # the last state whose step ended
+        tail: list[_InFlight] = []                    # the last finished steps (replays)
+        retries = 0
 
         def take_one() -> None:
-            nonlocal finished
-            loss, after = pending.pop(0)
-            losses.append(float(_result(loss)))
-            finished = after
+            nonlocal finished, retries
+            entry = pending[0]
+            try:
+                value = float(_result(entry.loss))
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except Exception as e:                    # noqa: BLE001 - classified below
+                recover(e)
+                return
+            pending.pop(0)
+            losses.append(value)
+            finished = entry.after
+            tail.append(entry)
+            del tail[:-_REPLAYABLE]
+            retries = 0
+            if entry.recovery is not None:
+                self.recoveries.append(dataclasses.replace(
+                    entry.recovery, seconds=time.monotonic() - entry.recovery.seconds))
             bar.set_postfix(loss=f"{losses[-1]:.4f}")
             bar.update(1)
+
+        def recover(error: Exception) -> None:
+            nonlocal retries
+            entry = pending[0]
+            if not self.recover or self.client is None or retries >= self.max_retries:
+                raise error
+            t0, wall = time.monotonic(), time.time()
+            gone = lost_workers(self.client, set((entry.after.where or {}).values()))
+            if not gone:
+                raise error                           # the model failed, not a worker
+            retries += 1
+            log.warning("dagdiff: step %d failed after losing worker(s) %s (%s: %s); "
+                        "running it again", entry.before.step, ", ".join(gone),
+                        type(error).__name__, str(error)[:200])
+            todo = [e.batch for e in pending]
+            pending.clear()                           # let go of the failed steps' futures
+            self._wait_for_workers(entry.batch)
+            start, replay, restored = self._recoverable(entry, tail)
+            now = start
+            for b in replay:                          # finished steps, run again
+                now, _ = self.step(now, *b)
+            for i, b in enumerate(todo):
+                after, loss = self.step(now, *b)
+                rec = None
+                if i == 0:
+                    rec = Recovery(entry.before.step, gone, restored, len(replay), t0,
+                                   f"{type(error).__name__}: {str(error)[:500]}", wall)
+                pending.append(_InFlight(loss, now, after, b, rec))
+                now = after
 
         try:
             for i, batch in enumerate(batches):
@@ -378,8 +545,9 @@ class Trainer:
                         f"Trainer.fit takes an iterable of batches, each a tuple of the loss "
                         f"function's batch arguments (e.g. [(x0, t0), (x1, t1), ...]); batch "
                         f"{i} is a {type(batch).__name__}")
-                state, loss = self.step(state, *batch)
-                pending.append((loss, state))
+                before = pending[-1].after if pending else finished
+                after, loss = self.step(before, *batch)
+                pending.append(_InFlight(loss, before, after, tuple(batch)))
                 while len(pending) > 2:  # keep two steps in flight
                     take_one()
             while pending:
@@ -389,10 +557,11 @@ class Trainer:
             # futures stop their programs on the workers; this frame, kept alive by the
             # traceback, must not hold them), and make the last finished state this
             # trainer's latest
-            while pending and getattr(pending[0][0], "status", "finished") == "finished":
+            while pending and getattr(pending[0].loss, "status", "finished") == "finished":
                 take_one()
             pending.clear()
-            state = loss = None               # noqa: F841 - drop the in-flight futures
+            tail.clear()
+            before = after = loss = None              # noqa: F841 - drop the in-flight futures
             self._last = finished
             bar.close()
             warnings.warn(f"Trainer.fit interrupted after {len(losses)} finished step(s); "
@@ -400,11 +569,37 @@ class Trainer:
                           "of the last finished step)", stacklevel=2)
             raise
         bar.close()
+        self._last = finished
         if steps is not None and len(losses) < steps:
             warnings.warn(f"Trainer.fit: the batches ran out after {len(losses)} of "
                           f"steps={steps} steps; pass more batches (e.g. "
                           "itertools.cycle(batches)) to train longer", stacklevel=2)
-        return state, losses
+        return finished, losses
+
+    def _wait_for_workers(self, batch: Sequence[Any]) -> None:
+        """After a loss: wait until every stage's slot has a worker again."""
+        self._targets(self._model(batch))
+
+    def _recoverable(self, entry: "_InFlight", tail: list["_InFlight"]) -> tuple[
+            TrainState, list[tuple[Any, ...]], tuple[tuple[int, int, str], ...]]:
+        """The newest state that can be restored: the failed step's input, else an
+        older finished state and the batches to run again from it."""
+        candidates = [(entry.before, [])]
+        for j in range(len(tail) - 1, -1, -1):
+            candidates.append((tail[j].before, [e.batch for e in tail[j:]]))
+        first: Exception | None = None
+        for start, replay in candidates:
+            if not start.is_placed:               # the first step: it is placed again
+                return start, replay, ()
+            model = self._model(entry.batch)
+            try:
+                restored, done = self._restored(start, model, ask=True)
+            except LostStateError as e:
+                first = first or e
+                continue
+            return restored, replay, done
+        assert first is not None
+        raise first
 
 
 def _state_identity(state: TrainState) -> Any:
@@ -432,6 +627,29 @@ def _shard(x: Any, axis: int, r: int, n: int) -> Any:
     index = [slice(None)] * x.ndim
     index[axis] = slice(r * size, (r + 1) * size)
     return x[tuple(index)]
+
+
+def _address(targets: Targets, stage: int) -> str | None:
+    """The worker address a stage runs on (None without a cluster)."""
+    t = targets.target(stage)
+    addr = targets.addresses.get(t) if targets.kind == "slots" else t
+    return addr if isinstance(addr, str) else None
+
+
+#: finished steps `fit` keeps to run again when the state before a failed step is lost too
+_REPLAYABLE = 2
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    """A submitted step in `fit`: its loss, the states before and after it, its batch, and
+    the recovery it is the retry of (`seconds` holds the failure's time until it ends)."""
+
+    loss: Any
+    before: TrainState
+    after: TrainState
+    batch: tuple[Any, ...]
+    recovery: Recovery | None = None
 
 
 class _NoBar:

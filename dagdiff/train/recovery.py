@@ -1,0 +1,138 @@
+"""Surviving a lost worker: where each stage's training state has a second copy, how to tell
+a lost worker from a failing model, and how to put a state back together after a loss.
+
+A Trainer state's values live on their stage's worker. With data-parallel replicas the
+other replicas hold identical values; without, each step sends a copy of every stage's
+new state to another worker (`copy_task`, off the step's critical path). When a worker is
+lost, the values it held are restored from a replica or that copy (`restore`), and the
+step runs again from there: same inputs, same result, no update applied twice.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Collection, Mapping
+
+from ..cluster.info import slot_names, workers_info
+from ..errors import LostStateError, TrainerError
+
+
+__all__ = ["Recovery", "copy_task", "lost_values", "restore", "lost_workers",
+           "wait_for_slots", "LostStateError"]
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """One recovered failure of `Trainer.fit`: the step that ran again, the workers that
+    were lost, where each lost (replica, group) state came from ("replica r" or "copy"),
+    how many finished steps were run again to get back to the failed one, the seconds
+    from the failure to the retried step's end, the error that stopped the step, and
+    when (``time.time()``) the failure reached the trainer."""
+
+    step: int
+    lost_workers: tuple[str, ...]
+    restored: tuple[tuple[int, int, str], ...]
+    replayed: int
+    seconds: float
+    error: str
+    failed_at: float = 0.0          # time.time() when the failure reached the trainer
+
+
+def copy_task(value: Any) -> Any:
+    """A copy of `value` on the worker this task runs on (Dask moves the value there)."""
+    return value
+
+
+def _alive(client: Any, futures: Collection[Any]) -> set[str]:
+    """Keys of `futures` that some worker still holds in memory."""
+    keys = [f.key for f in futures if hasattr(f, "key")]
+    if not keys:
+        return set()
+    who = client.who_has(keys)
+    return {k for k in keys if who.get(k)}
+
+
+def lost_values(client: Any, placed: Mapping[tuple[int, int], Any]) -> list[tuple[int, int]]:
+    """The (replica, group) entries of a placed state whose value no worker holds."""
+    alive = _alive(client, [v for v in placed.values() if hasattr(v, "key")])
+    return sorted(rg for rg, v in placed.items()
+                  if hasattr(v, "key") and (v.key not in alive or v.status != "finished"))
+
+
+def restore(client: Any, placed: Mapping[tuple[int, int], Any],
+            backup: Mapping[tuple[int, int], Any] | None, group_stage: list[int], p: int,
+            where: Mapping[tuple[int, int], str] | None = None,
+            rescatter: Callable[[int, int], Any] | None = None
+            ) -> tuple[dict[tuple[int, int], Any], tuple[tuple[int, int, str], ...]]:
+    """Replace every lost value of `placed` by an identical one still held somewhere: the
+    same group of another replica, else its copy in `backup`, else (the initial state)
+    `rescatter(replica, group)`, a new Future of the client's copy. Returns the new mapping and
+    (replica, group, source) per replaced entry; raises `LostStateError` naming what is
+    lost and how to resume when neither exists. (The next step reads a replaced value
+    from wherever it is: Dask moves it to the stage's worker.)"""
+    lost = lost_values(client, placed)
+    if not lost:
+        return dict(placed), ()
+    alive_backup = _alive(client, list((backup or {}).values()))
+    new = dict(placed)
+    done: list[tuple[int, int, str]] = []
+    missing: list[str] = []
+    lost_set = set(lost)
+    for r, g in lost:
+        other = next((r2 for (r2, g2) in placed if g2 == g and r2 != r
+                      and (r2, g2) not in lost_set), None)
+        if other is not None:
+            new[(r, g)] = placed[(other, g)]
+            done.append((r, g, f"replica {other}"))
+            continue
+        copy = (backup or {}).get((r, g))
+        if copy is not None and copy.key in alive_backup:
+            new[(r, g)] = copy
+            done.append((r, g, "copy"))
+            continue
+        if rescatter is not None:
+            new[(r, g)] = rescatter(r, g)
+            done.append((r, g, "client"))
+            continue
+        stage = group_stage[g] + r * p
+        missing.append(f"stage {stage} (replica {r}, parameter group {g}"
+                       + (f", last on {where[(r, g)]}" if where and (r, g) in where else "")
+                       + ")")
+    if missing:
+        raise LostStateError(
+            f"the training state of {', '.join(missing)} was lost with its worker, and no "
+            "other replica or copy holds it (copies are made when the Trainer has "
+            "recover=True and the cluster has more than one worker). Resume from the last "
+            "checkpoint: state = dd.load(path); trainer.fit(batches, state=state)")
+    return new, tuple(done)
+
+
+def lost_workers(client: Any, addresses: Collection[str], wait: float = 10.0) -> tuple[str, ...]:
+    """Which of `addresses` (the workers a failed step ran on) the scheduler no longer
+    has, waiting up to `wait` seconds for it to notice a loss (an empty answer: no
+    worker was lost, the step failed for another reason)."""
+    deadline = time.monotonic() + wait
+    while True:
+        current = set(workers_info(client))
+        gone = tuple(sorted(a for a in addresses if a not in current))
+        if gone or time.monotonic() >= deadline:
+            return gone
+        time.sleep(0.2)
+
+
+def wait_for_slots(client: Any, slots: Collection[str], timeout: float = 300.0) -> None:
+    """Wait until a worker with each of `slots` (``slot<i>`` resources) is running: a lost
+    worker's nanny starts its replacement with the same slot."""
+    want = set(slots)
+    deadline = time.monotonic() + timeout
+    while True:
+        have = set(slot_names(client).values())
+        if want <= have:
+            return
+        if time.monotonic() >= deadline:
+            raise TrainerError(
+                f"Trainer recovery: no worker came back for {', '.join(sorted(want - have))} "
+                f"within {timeout:g} s (running: {', '.join(sorted(have)) or 'none'}); start "
+                "workers with those resources (dask worker --resources slot<i>=1), or "
+                "resume later from a checkpoint")
+        time.sleep(0.25)
