@@ -3,14 +3,19 @@ collections (or the graph to look at), all through `dagdiff.build.build`."""
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any, Callable, Mapping, Sequence
 
+import dask
+
 from .build import Options, build
-from .cluster.info import current_client
+from .cluster.info import current_client, lost_workers, wait_for_slots
 from .inspect.graph import TracedGraph
 
 
 __all__ = ["value_and_grad", "grad", "trace"]
+
+log = logging.getLogger(__name__)
 
 
 def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
@@ -51,6 +56,10 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
     or Dask task per action (see `dagdiff.runtime.direct`). "scheduler" keeps every edge
     a Dask dependency (ordering edges between a worker's actions): slower per action,
     but Dask recomputes lost work.
+
+    ``step.compute(*args, retries=2)`` builds and computes at once, building and running
+    the step again when a worker was lost mid-step (see `compute` on the returned
+    function).
     """
     options = Options.make("dd.value_and_grad", argnums=argnums, has_aux=has_aux,
                            microbatches=microbatches, schedule=schedule,
@@ -62,6 +71,38 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         return build(fn, args, kwargs, options, current_client()).outputs()
 
+    def compute(*args: Any, retries: int = 2, client: Any = None, **kwargs: Any) -> Any:
+        """Build the step and compute it now: ``loss, grads`` (``(loss, aux), grads``) as
+        values. A step that fails because a worker was lost (or restarted) is built again
+        for the new workers once they are up, and run again, up to `retries` times; any
+        other error is raised at once."""
+        client = client if client is not None else current_client()
+        for attempt in range(retries + 1):
+            built = build(fn, args, kwargs, options, client)
+            out = built.outputs()
+            if client is None:
+                return dask.compute(*out)
+            try:
+                return tuple(client.compute(list(out), sync=True))
+            except Exception as error:                 # noqa: BLE001 - classified below
+                targets = built.targets
+                slots = targets.kind == "slots"
+                workers = (set(targets.addresses.values()) if slots else
+                           {w for w in targets.of.values() if isinstance(w, str)})
+                gone = lost_workers(client, workers) if attempt < retries else ()
+                if not gone:
+                    raise
+                log.warning("dagdiff: %s lost worker(s) %s (%s); building and running it "
+                            "again", getattr(fn, "__name__", "the step"), ", ".join(gone),
+                            type(error).__name__)
+                del out, built                          # let go of the failed step
+                if slots:
+                    wait_for_slots(client, set(targets.of.values()))
+                else:
+                    client.wait_for_workers(len(workers), timeout=300)
+        raise AssertionError("unreachable")             # the loop returns or raises
+
+    wrapped.compute = compute  # type: ignore[attr-defined]
     return wrapped
 
 

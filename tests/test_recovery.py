@@ -228,3 +228,23 @@ def test_a_model_error_is_not_retried() -> None:
     with pytest.raises(dd.LayerShapeError):
         trainer.fit([(jnp.ones((4, 3)),)], params={"w": jnp.ones((5,))}, progress=False)
     assert trainer.recoveries == []
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("cluster_client", [2], indirect=True)
+def test_a_plain_step_computed_with_retries_survives_a_lost_worker(cluster_client: Any) -> None:
+    """`step.compute(..., retries=2)`: the worker of stage 1 dies mid-step; the step is
+    built again for the replacement and its loss and grads equal jax.value_and_grad."""
+    from dagdiff.examples.simulated import sleepy_pipeline
+
+    client = cluster_client
+    fn = sleepy_pipeline(2, 0.3)
+    params = [jnp.float32(1.5)] * 2
+    x = jnp.ones((4, 4))
+    step = dd.value_and_grad(fn, microbatches=4, schedule="1f1b")
+    with Killer(client, 2, 1, seed=4, delay=(0.0, 0.05)) as killer:
+        got_l, got_g = step.compute(params, x, client=client, retries=2)
+    assert killer.done == 1
+    want_l, want_g = jax.value_and_grad(fn)(params, x)
+    np.testing.assert_allclose(got_l, want_l, rtol=1e-5)
+    close(got_g, want_g)

@@ -1,15 +1,17 @@
 """What the scheduler says about the workers, and the active client."""
 from __future__ import annotations
 
+import time
 import weakref
-from typing import Any
+from typing import Any, Collection
 
 from distributed import default_client
 
-from ..errors import ClientClosedError
+from ..errors import ClientClosedError, PlacementError
 
 
-__all__ = ["slot_names", "check_open", "workers_info", "latest_workers_info", "current_client"]
+__all__ = ["slot_names", "check_open", "workers_info", "latest_workers_info", "current_client",
+           "lost_workers", "wait_for_slots"]
 
 
 def slot_names(client: Any) -> dict[str, str]:
@@ -69,3 +71,34 @@ def current_client() -> Any:
         return default_client()
     except ValueError:
         return None
+
+
+def lost_workers(client: Any, addresses: Collection[str], wait: float = 10.0) -> tuple[str, ...]:
+    """Which of `addresses` (the workers a failed step ran on) the scheduler no longer
+    has, waiting up to `wait` seconds for it to notice a loss (an empty answer: no
+    worker was lost, the step failed for another reason)."""
+    deadline = time.monotonic() + wait
+    while True:
+        current = set(workers_info(client))
+        gone = tuple(sorted(a for a in addresses if a not in current))
+        if gone or time.monotonic() >= deadline:
+            return gone
+        time.sleep(0.2)
+
+
+def wait_for_slots(client: Any, slots: Collection[str], timeout: float = 300.0) -> None:
+    """Wait until a worker with each of `slots` (``slot<i>`` resources) is running: a lost
+    worker's nanny starts its replacement with the same slot."""
+    want = set(slots)
+    deadline = time.monotonic() + timeout
+    while True:
+        have = set(slot_names(client).values())
+        if want <= have:
+            return
+        if time.monotonic() >= deadline:
+            raise PlacementError(
+                f"no worker came back for {', '.join(sorted(want - have))} "
+                f"within {timeout:g} s (running: {', '.join(sorted(have)) or 'none'}); start "
+                "workers with those resources (dask worker --resources slot<i>=1), or "
+                "resume later from a checkpoint")
+        time.sleep(0.25)

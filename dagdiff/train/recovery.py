@@ -9,16 +9,13 @@ step runs again from there: same inputs, same result, no update applied twice.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Mapping
 
-from ..cluster.info import slot_names, workers_info
-from ..errors import LostStateError, TrainerError
+from ..errors import LostStateError
 
 
-__all__ = ["Recovery", "copy_task", "lost_values", "restore", "lost_workers",
-           "wait_for_slots", "LostStateError"]
+__all__ = ["Recovery", "copy_task", "lost_values", "restore"]
 
 
 @dataclass(frozen=True)
@@ -105,34 +102,3 @@ def restore(client: Any, placed: Mapping[tuple[int, int], Any],
             "recover=True and the cluster has more than one worker). Resume from the last "
             "checkpoint: state = dd.load(path); trainer.fit(batches, state=state)")
     return new, tuple(done)
-
-
-def lost_workers(client: Any, addresses: Collection[str], wait: float = 10.0) -> tuple[str, ...]:
-    """Which of `addresses` (the workers a failed step ran on) the scheduler no longer
-    has, waiting up to `wait` seconds for it to notice a loss (an empty answer: no
-    worker was lost, the step failed for another reason)."""
-    deadline = time.monotonic() + wait
-    while True:
-        current = set(workers_info(client))
-        gone = tuple(sorted(a for a in addresses if a not in current))
-        if gone or time.monotonic() >= deadline:
-            return gone
-        time.sleep(0.2)
-
-
-def wait_for_slots(client: Any, slots: Collection[str], timeout: float = 300.0) -> None:
-    """Wait until a worker with each of `slots` (``slot<i>`` resources) is running: a lost
-    worker's nanny starts its replacement with the same slot."""
-    want = set(slots)
-    deadline = time.monotonic() + timeout
-    while True:
-        have = set(slot_names(client).values())
-        if want <= have:
-            return
-        if time.monotonic() >= deadline:
-            raise TrainerError(
-                f"Trainer recovery: no worker came back for {', '.join(sorted(want - have))} "
-                f"within {timeout:g} s (running: {', '.join(sorted(have)) or 'none'}); start "
-                "workers with those resources (dask worker --resources slot<i>=1), or "
-                "resume later from a checkpoint")
-        time.sleep(0.25)

@@ -35,11 +35,11 @@ from ..build import (
     step_token,
     trace_model,
 )
-from ..cluster.info import check_open, current_client, slot_names
+from ..cluster.info import check_open, current_client, lost_workers, slot_names
 from ..cluster.targets import Targets, resolve_targets
 from ..core.keys import make_key
 from ..core.tracer import home_stages
-from ..errors import ArgumentError, MicrobatchError, PlacementError, TrainerError
+from ..errors import ArgumentError, LostStateError, MicrobatchError, PlacementError, TrainerError
 from ..extras import available, require
 from ..lowering.graph import OutKey, assemble, to_delayed
 from ..lowering.pipeline import lower_pipeline, stage_workers
@@ -48,7 +48,7 @@ from ..runtime.tasks import mean_task
 from ..runtime.taskspec import DataNode, Task, TaskRef
 from .allreduce import tree_allreduce
 from .optimizer import ScaledOptimizer, update_task
-from .recovery import LostStateError, Recovery, copy_task, lost_workers, restore
+from .recovery import Recovery, copy_task, restore
 
 
 __all__ = ["Trainer", "TrainState"]
