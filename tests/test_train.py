@@ -104,8 +104,25 @@ def test_params_and_opt_state_stay_on_workers(client2: Any, monkeypatch: Any) ->
     # each (replica, stage) state is one Future held on its stage's worker
 
     client2.gather(list(state.placed.values()))   # wait: the last update may still run
-    who = client2.who_has(list(state.placed.values()))
+    client2.gather(list(state.backup.values()))
+    who = client2.who_has(list(state.placed.values()) + list(state.backup.values()))
     slots = dd.cluster.info.slot_names(client2)
+    for (r, g), fut in state.placed.items():
+        assert f"slot{g}" in {slots[a] for a in who[fut.key]}
+        # recover=True: a copy of each stage's state on the other worker (the copy task's
+        # worker may also keep the original as a replica it fetched)
+        (copy_at,) = who[state.backup[(r, g)].key]
+        assert slots[copy_at] == f"slot{1 - g}"
+    # without recovery, each state is one value on its stage's worker and nowhere else
+    plain = dd.Trainer(loss_fn, optax.sgd(0.1), microbatches=2, schedule="1f1b",
+                       client=client2, recover=False)
+    state = plain.init(params)
+    for x, t in batches:
+        state, loss = plain.step(state, x, t)
+    loss.result()
+    client2.gather(list(state.placed.values()))
+    assert state.backup is None
+    who = client2.who_has(list(state.placed.values()))
     for (r, g), fut in state.placed.items():
         (addr,) = who[fut.key]
         assert slots[addr] == f"slot{g}"

@@ -96,6 +96,12 @@ class Trainer:
     gradients all-reduced before the update. ``client=None`` uses the current
     distributed client, or else runs on the local threads scheduler. ``dispatch``: as in
     `dd.value_and_grad` (pipelined steps on a cluster default to "direct").
+
+    ``recover=True`` (the default) makes training survive a lost worker: each step's new
+    state has a second copy (another replica's, or a copy sent to the next worker when
+    there is one replica), `fit` runs a step that lost a worker again from the state
+    before it (at most `max_retries` times per step) and lists what it did in
+    `recoveries`, and `step` restores a state whose values were lost before using it.
     """
 
     def __init__(self, loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation,
