@@ -87,7 +87,7 @@ def test_trainer_on_cluster_matches_optax(client4: Any, schedule: str, replicas:
 def test_params_and_opt_state_stay_on_workers(client2: Any, monkeypatch: Any) -> None:
     params, batches = setup(4)
     trainer = dd.Trainer(loss_fn, optax.sgd(0.1), microbatches=2, schedule="1f1b",
-                         client=client2)
+                         client=client2, copy_every=1)
     gathered: list[Any] = []
     real = client2._gather        # every gather (Future.result too) goes through it
 

@@ -97,11 +97,13 @@ class Trainer:
     distributed client, or else runs on the local threads scheduler. ``dispatch``: as in
     `dd.value_and_grad` (pipelined steps on a cluster default to "direct").
 
-    ``recover=True`` (the default) makes training survive a lost worker: each step's new
-    state has a second copy (another replica's, or a copy sent to the next worker when
-    there is one replica), `fit` runs a step that lost a worker again from the state
-    before it (at most `max_retries` times per step) and lists what it did in
-    `recoveries`, and `step` restores a state whose values were lost before using it.
+    ``recover=True`` (the default) makes training survive a lost worker: every state has
+    a second copy on another worker (another replica's; with one replica, every
+    `copy_every`-th step sends a copy of each stage's state to the next worker), `fit`
+    runs a step that lost a worker again from the newest state it can restore, running
+    the finished steps since again from their batches (at most `max_retries` times per
+    step), and lists what it did in `recoveries`; `step` restores a state whose values
+    were lost before using it, when a copy of them exists.
     """
 
     def __init__(self, loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation,
@@ -110,7 +112,7 @@ class Trainer:
                  stages: int | str | None = None, placement: Mapping[int, Any] | None = None,
                  fuse: bool | None = None, batch_argnums: Sequence[int] | None = None,
                  batch_axis: int = 0, dispatch: str | None = None, recover: bool = True,
-                 max_retries: int = 3) -> None:
+                 max_retries: int = 3, copy_every: int = 10) -> None:
         for label, value in (("replicas", replicas), ("microbatches", microbatches)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ArgumentError(f"Trainer: {label} must be a positive int, got {value!r}")
@@ -127,6 +129,9 @@ class Trainer:
                                     fuse=fuse, dispatch=dispatch)
         if not isinstance(max_retries, int) or isinstance(max_retries, bool) or max_retries < 0:
             raise ArgumentError(f"Trainer: max_retries must be an int >= 0, got {max_retries!r}")
+        if not isinstance(copy_every, int) or isinstance(copy_every, bool) or copy_every < 1:
+            raise ArgumentError(f"Trainer: copy_every must be an int >= 1, got {copy_every!r}")
+        self.copy_every = copy_every
         self.recover = bool(recover)
         self.max_retries = max_retries
         #: every failure `fit` recovered from (see `dagdiff.train.recovery.Recovery`)
@@ -388,7 +393,8 @@ class Trainer:
         if self.client is not None:
             where = {(r, g): a for (r, g) in placed
                      if (a := _address(targets, model.group_stage[g] + r * p)) is not None}
-            if self.recover and r_count == 1:      # replicas hold each other's copies
+            if (self.recover and r_count == 1    # replicas hold each other's copies
+                    and (state.step + 1) % self.copy_every == 0):
                 backup = self._copies(placed, model, targets, token)
         self._last = TrainState(state.step + 1, groups=model.groups, placed=placed,
                                 owner=self._ref, backup=backup, where=where)
@@ -488,11 +494,12 @@ class Trainer:
         pending: list[_InFlight] = []
         losses: list[float] = []
         finished = state                              # the last state whose step ended
-        tail: list[_InFlight] = []                    # the last finished steps (replays)
+        base = state                                  # a restorable state, and the
+        history: list[_InFlight] = []                 # finished steps since (replays)
         retries = 0
 
         def take_one() -> None:
-            nonlocal finished, retries
+            nonlocal finished, retries, base
             entry = pending[0]
             try:
                 value = float(_result(entry.loss))
@@ -504,8 +511,14 @@ class Trainer:
             pending.pop(0)
             losses.append(value)
             finished = entry.after
-            tail.append(entry)
-            del tail[:-_REPLAYABLE]
+            history.append(entry)
+            anchors = [j for j, e in enumerate(history) if self._has_copy(e.after)]
+            if self.recover and len(anchors) > 2:     # keep the two newest copies
+                base = history[anchors[-2]].after
+                del history[:anchors[-2] + 1]
+            elif not self.recover:
+                base = entry.after
+                history.clear()
             retries = 0
             if entry.recovery is not None:
                 self.recoveries.append(dataclasses.replace(
@@ -529,7 +542,7 @@ class Trainer:
             todo = [e.batch for e in pending]
             pending.clear()                           # let go of the failed steps' futures
             self._wait_for_workers(entry.batch)
-            start, replay, restored = self._recoverable(entry, tail)
+            start, replay, restored = self._recoverable(entry, base, history)
             now = start
             for b in replay:                          # finished steps, run again
                 now, _ = self.step(now, *b)
@@ -566,7 +579,7 @@ class Trainer:
             while pending and getattr(pending[0].loss, "status", "finished") == "finished":
                 take_one()
             pending.clear()
-            tail.clear()
+            history.clear()
             before = after = loss = None              # noqa: F841 - drop the in-flight futures
             self._last = finished
             bar.close()
@@ -586,13 +599,22 @@ class Trainer:
         """After a loss: wait until every stage's slot has a worker again."""
         self._targets(self._model(batch))
 
-    def _recoverable(self, entry: "_InFlight", tail: list["_InFlight"]) -> tuple[
-            TrainState, list[tuple[Any, ...]], tuple[tuple[int, int, str], ...]]:
-        """The newest state that can be restored: the failed step's input, else an
-        older finished state and the batches to run again from it."""
-        candidates = [(entry.before, [])]
-        for j in range(len(tail) - 1, -1, -1):
-            candidates.append((tail[j].before, [e.batch for e in tail[j:]]))
+    def _has_copy(self, state: TrainState) -> bool:
+        """Whether a second copy of every value of `state` was made (another replica's,
+        or a copy step)."""
+        return self.replicas > 1 or any(hasattr(v, "key") for v in (state.backup or {}).values())
+
+    def _recoverable(self, entry: "_InFlight", base: TrainState, history: list["_InFlight"]
+                     ) -> tuple[TrainState, list[tuple[Any, ...]],
+                                tuple[tuple[int, int, str], ...]]:
+        """The newest state that can be restored: the failed step's input, else the
+        newest finished state with copies (every `copy_every` steps) or `base`, and the
+        batches of the finished steps after it, to run again."""
+        candidates: list[tuple[TrainState, list[tuple[Any, ...]]]] = [(entry.before, [])]
+        for j in range(len(history) - 1, -1, -1):
+            if self._has_copy(history[j].after):
+                candidates.append((history[j].after, [e.batch for e in history[j + 1:]]))
+        candidates.append((base, [e.batch for e in history]))
         first: Exception | None = None
         for start, replay in candidates:
             if not start.is_placed:               # the first step: it is placed again
@@ -640,10 +662,6 @@ def _address(targets: Targets, stage: int) -> str | None:
     t = targets.target(stage)
     addr = targets.addresses.get(t) if targets.kind == "slots" else t
     return addr if isinstance(addr, str) else None
-
-
-#: finished steps `fit` keeps to run again when the state before a failed step is lost too
-_REPLAYABLE = 2
 
 
 @dataclass(frozen=True)
