@@ -42,11 +42,12 @@ def copy_task(value: Any) -> Any:
 
 def _alive(client: Any, futures: Collection[Any]) -> set[str]:
     """Keys of `futures` that some worker still holds in memory."""
-    keys = [f.key for f in futures if hasattr(f, "key")]
-    if not keys:
+    futures = [f for f in futures   # cancelled, errored or lost ones are gone
+               if hasattr(f, "key") and f.status in ("finished", "pending")]
+    if not futures:
         return set()
-    who = client.who_has(keys)
-    return {k for k in keys if who.get(k)}
+    who = client.who_has(futures)          # (given keys, it answers nothing)
+    return {f.key for f in futures if who.get(f.key)}
 
 
 def lost_values(client: Any, placed: Mapping[tuple[int, int], Any]) -> list[tuple[int, int]]:

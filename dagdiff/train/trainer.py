@@ -564,6 +564,8 @@ class Trainer:
                         f"Trainer.fit takes an iterable of batches, each a tuple of the loss "
                         f"function's batch arguments (e.g. [(x0, t0), (x1, t1), ...]); batch "
                         f"{i} is a {type(batch).__name__}")
+                if i == 0:
+                    finished = base = self._with_copy(finished, batch)
                 before = pending[-1].after if pending else finished
                 after, loss = self.step(before, *batch)
                 pending.append(_InFlight(loss, before, after, tuple(batch)))
@@ -598,6 +600,18 @@ class Trainer:
     def _wait_for_workers(self, batch: Sequence[Any]) -> None:
         """After a loss: wait until every stage's slot has a worker again."""
         self._targets(self._model(batch))
+
+    def _with_copy(self, state: TrainState, batch: Sequence[Any]) -> TrainState:
+        """`state` with a copy of its values on other workers, when it is placed, has
+        none, and the trainer recovers: where `fit` can go back to."""
+        if (not self.recover or self.client is None or not state.is_placed
+                or self._has_copy(state) or state.backup):
+            return state
+        model = self._model(batch)
+        token = tokenize(_state_identity(state), ensure_deterministic=False)[:16]
+        assert state.placed is not None
+        return dataclasses.replace(
+            state, backup=self._copies(state.placed, model, self._targets(model), token))
 
     def _has_copy(self, state: TrainState) -> bool:
         """Whether a second copy of every value of `state` was made (another replica's,
