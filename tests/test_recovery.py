@@ -249,3 +249,15 @@ def test_a_plain_step_computed_with_retries_survives_a_lost_worker(cluster_clien
     want_l, want_g = jax.value_and_grad(fn)(params, x)
     np.testing.assert_allclose(got_l, want_l, rtol=1e-5)
     close(got_g, want_g)
+
+
+def test_lost_values_sees_what_the_scheduler_still_has(client2: Any) -> None:
+    """A value in a worker's memory is alive; a cancelled one is lost (the check asks the
+    scheduler with the futures themselves)."""
+    from dagdiff.train.recovery import lost_values
+
+    alive = client2.submit(lambda: np.ones(3), pure=False)
+    alive.result()
+    gone = client2.submit(time.sleep, 30, pure=False)
+    gone.cancel()
+    assert lost_values(client2, {(0, 0): alive, (0, 1): gone}) == [(0, 1)]

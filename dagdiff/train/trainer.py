@@ -494,8 +494,10 @@ class Trainer:
         pending: list[_InFlight] = []
         losses: list[float] = []
         finished = state                              # the last state whose step ended
-        base = state                                  # a restorable state, and the
-        history: list[_InFlight] = []                 # finished steps since (replays)
+        # where to go back to: `base`, a state with copies, and per finished step since,
+        # its batch and (only when it has copies) its state; other states are not kept
+        base = state
+        history: list[tuple[tuple[Any, ...], TrainState | None]] = []
         retries = 0
 
         def take_one() -> None:
@@ -511,14 +513,13 @@ class Trainer:
             pending.pop(0)
             losses.append(value)
             finished = entry.after
-            history.append(entry)
-            anchors = [j for j, e in enumerate(history) if self._has_copy(e.after)]
-            if self.recover and len(anchors) > 2:     # keep the two newest copies
-                base = history[anchors[-2]].after
-                del history[:anchors[-2] + 1]
-            elif not self.recover:
-                base = entry.after
-                history.clear()
+            if self.recover:
+                history.append((entry.batch,
+                                entry.after if self._has_copy(entry.after) else None))
+                anchors = [j for j, (_, st) in enumerate(history) if st is not None]
+                if len(anchors) > 2:                  # keep the two newest copies
+                    base = history[anchors[-2]][1]
+                    del history[:anchors[-2] + 1]
             retries = 0
             if entry.recovery is not None:
                 self.recoveries.append(dataclasses.replace(
@@ -618,7 +619,8 @@ class Trainer:
         or a copy step)."""
         return self.replicas > 1 or any(hasattr(v, "key") for v in (state.backup or {}).values())
 
-    def _recoverable(self, entry: "_InFlight", base: TrainState, history: list["_InFlight"]
+    def _recoverable(self, entry: "_InFlight", base: TrainState,
+                     history: list[tuple[tuple[Any, ...], TrainState | None]]
                      ) -> tuple[TrainState, list[tuple[Any, ...]],
                                 tuple[tuple[int, int, str], ...]]:
         """The newest state that can be restored: the failed step's input, else the
@@ -626,9 +628,10 @@ class Trainer:
         batches of the finished steps after it, to run again."""
         candidates: list[tuple[TrainState, list[tuple[Any, ...]]]] = [(entry.before, [])]
         for j in range(len(history) - 1, -1, -1):
-            if self._has_copy(history[j].after):
-                candidates.append((history[j].after, [e.batch for e in history[j + 1:]]))
-        candidates.append((base, [e.batch for e in history]))
+            kept = history[j][1]
+            if kept is not None:
+                candidates.append((kept, [b for b, _ in history[j + 1:]]))
+        candidates.append((base, [b for b, _ in history]))
         first: Exception | None = None
         for start, replay in candidates:
             if not start.is_placed:               # the first step: it is placed again
