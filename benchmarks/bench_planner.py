@@ -12,11 +12,16 @@ zb-h1: one stage per worker) and 4 stages of --per-stage layers (interleaved,
 looped-bfs, interleaved-zb, zb-v, dualpipev: two per worker). Measured makespan:
 first to last F/B/I/W action of a step (what the simulator predicts), median of
 --repeat steps after a warm-up step; also the whole step (submit to result).
-The unequal model: --layers-heavy layers of `dense` then as many "heavy" ones (dense
-followed by --extra elementwise tanh passes, work XLA's FLOP estimate hardly sees).
-Timings on a shared 2-core machine are noisy: compare within one run.
+The unequal model: 2 x --per-stage layers, the first half `dense`, the second half
+"heavy" (dense followed by --extra elementwise tanh passes: work XLA's FLOP estimate
+hardly sees, so ``stages=2`` splits it 4 | 4 and the second stage is slower).
+Timings on a shared 2-core machine are noisy: compare within one run; the "other load"
+line is the CPU (in cores) that processes outside this benchmark and its cluster used
+while it measured (near 0: a quiet machine). The steps of a table are measured side by
+side (round robin), so a change of load hits them alike.
 Usage: python benchmarks/bench_planner.py [--width 1024] [--batch 512] [--microbatches 8]
-       [--per-stage 4] [--repeat 3] [--extra 12] [--picture planner.png] [--quick]
+       [--per-stage 4] [--repeat 5] [--profile-steps 2] [--extra 48]
+       [--picture planner.png] [--skip predict|balance] [--quick]
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import psutil
 from distributed import Client, wait
 
 import dagdiff as dd
@@ -71,25 +77,75 @@ def make_data(n: int, width: int, batch: int, seed: int = 0) -> tuple[Any, Any, 
     return params, x, t
 
 
-def measure(client: Any, fn: Callable[..., Any], args: tuple[Any, ...], repeat: int,
-            **options: Any) -> tuple[list[float], list[float], Any]:
-    """(makespans, whole-step walls, last recording) of `repeat` steps after a warm-up."""
-    spans, walls, rec = [], [], None
-    with client.as_current():
-        loss, grads = dd.value_and_grad(fn, **options)(*args)
-        for k in range(repeat + 1):
-            t0 = time.perf_counter()
-            with dd.record(client) as r:
-                futs = client.compute([loss, *jax.tree_util.tree_leaves(grads)])
+class OtherLoad:
+    """CPU cores used by processes other than this benchmark and its cluster (this
+    process and its children) between `start` and `cores`: how quiet the machine was."""
+
+    def start(self) -> "OtherLoad":
+        self.t0, self.total0, self.ours0 = time.perf_counter(), _total_cpu(), _our_cpu()
+        return self
+
+    def cores(self) -> float:
+        wall = max(time.perf_counter() - self.t0, 1e-9)
+        return max(0.0, (_total_cpu() - self.total0) - (_our_cpu() - self.ours0)) / wall
+
+
+def _total_cpu() -> float:
+    ct = psutil.cpu_times()
+    return sum(getattr(ct, f, 0.0) for f in ("user", "nice", "system", "irq", "softirq"))
+
+
+def _our_cpu() -> float:
+    me = psutil.Process()
+    total = 0.0
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            ct = proc.cpu_times()
+            total += ct.user + ct.system
+        except psutil.Error:
+            pass
+    return total
+
+
+class Step:
+    """One built step (``dd.value_and_grad(fn, **options)(*args)``), computed on demand:
+    `run` computes it once under `dd.record` and keeps its makespan (first to last
+    F/B/I/W action), its whole-step wall time and the recording."""
+
+    def __init__(self, client: Any, fn: Callable[..., Any], args: tuple[Any, ...],
+                 **options: Any) -> None:
+        self.client = client
+        with client.as_current():
+            self.loss, self.grads = dd.value_and_grad(fn, **options)(*args)
+        self.spans: list[float] = []
+        self.walls: list[float] = []
+        self.rec: Any = None
+
+    def run(self, keep: bool = True) -> None:
+        t0 = time.perf_counter()
+        with dd.record(self.client) as r:
+            futs = self.client.compute([self.loss, *jax.tree_util.tree_leaves(self.grads)])
+            with self.client.as_current():
                 wait(futs)
-            wall = time.perf_counter() - t0
-            del futs
-            if k:
-                busy = [t for t in r.tasks if t.phase in ("F", "B", "I", "W")]
-                spans.append(max(t.stop for t in busy) - min(t.start for t in busy))
-                walls.append(wall)
-                rec = r
-    return spans, walls, rec
+        wall = time.perf_counter() - t0
+        del futs
+        if keep:
+            busy = [t for t in r.tasks if t.phase in ("F", "B", "I", "W")]
+            self.spans.append(max(t.stop for t in busy) - min(t.start for t in busy))
+            self.walls.append(wall)
+            self.rec = r
+
+
+def side_by_side(steps: list[Step], repeat: int) -> float:
+    """A warm-up run of each step, then `repeat` rounds running each once in turn (a load
+    change on the machine hits them all alike); returns the other processes' load."""
+    for st in steps:
+        st.run(keep=False)
+    load = OtherLoad().start()
+    for _ in range(repeat):
+        for st in steps:
+            st.run()
+    return load.cores()
 
 
 def predicted_vs_measured(client: Any, args: Any) -> list[tuple[str, float, float]]:
@@ -102,26 +158,30 @@ def predicted_vs_measured(client: Any, args: Any) -> list[tuple[str, float, floa
         n = nstages * args.per_stage
         fn = mlp([dense] * n)
         data = make_data(n, args.width, args.batch)
-        t0 = time.perf_counter()
+        t0, load = time.perf_counter(), OtherLoad().start()
         prof = dd.profile(fn, microbatches=args.microbatches, stages=nstages,
-                          client=client)(*data)
-        print(f"\nprofiled in {time.perf_counter() - t0:.1f} s:\n{prof}")
+                          client=client, steps=args.profile_steps)(*data)
+        print(f"\nprofiled in {time.perf_counter() - t0:.1f} s (other processes used "
+              f"{load.cores():.2f} cores meanwhile):\n{prof}")
         ranked = dd.best_schedule(prof, microbatches=args.microbatches)
+        steps = [Step(client, fn, data, microbatches=m, schedule=name, stages=nstages)
+                 for name, m, _ in ranked]
+        other = side_by_side(steps, args.repeat)
         print(head)
-        for name, m, pred in ranked:
-            spans, walls, rec = measure(client, fn, data, args.repeat, microbatches=m,
-                                        schedule=name, stages=nstages)
-            got = statistics.median(spans)
+        for (name, m, pred), st in zip(ranked, steps):
+            got = statistics.median(st.spans)
             err = (pred.makespan - got) / got
-            bub = rec.bubble_fraction().overall
+            bub = st.rec.bubble_fraction().overall
             print(f"{name:16s} {nstages:6d} {pred.makespan * 1e3:8.1f}ms {got * 1e3:8.1f}ms "
-                  f"{min(spans) * 1e3:6.1f}ms {err:+7.1%} {pred.bubble_fraction:5.1%}/"
-                  f"{bub:5.1%} {max(pred.peak_live):10d} {statistics.median(walls) * 1e3:6.0f}ms",
-                  flush=True)
+                  f"{min(st.spans) * 1e3:6.1f}ms {err:+7.1%} {pred.bubble_fraction:5.1%}/"
+                  f"{bub:5.1%} {max(pred.peak_live):10d} "
+                  f"{statistics.median(st.walls) * 1e3:6.0f}ms", flush=True)
             rows.append((name, pred.makespan, got))
             if args.picture and name == "1f1b":
-                pred.timeline(rec, path=args.picture)
+                pred.timeline(st.rec, path=args.picture)
                 print(f"   (picture: {args.picture})")
+        print(f"(measured side by side, {args.repeat} rounds; other processes used "
+              f"{other:.2f} cores meanwhile)")
     errs = [abs(p - g) / g for _, p, g in rows]
     print(f"\n|error|: median {statistics.median(errs):.1%}, max {max(errs):.1%} over "
           f"{len(rows)} schedules")
@@ -136,30 +196,27 @@ def balancing(client: Any, args: Any) -> None:
     m = args.microbatches
     print(f"\n== stage balancing: {n // 2} dense + {n - n // 2} heavy layers (+{args.extra} "
           f"tanh passes each), 2 stages, 1f1b, m = {m} ==")
-    prof = dd.profile(fn, microbatches=m, stages=2, client=client,
-                      schedules=("1f1b",))(*data)
-    split_x = [c.stage for c in prof.layers]
-    print(f"stages=2 (XLA estimate): layers per stage {split_x}")
+    prof = dd.profile(fn, microbatches=m, stages=2, client=client, schedules=("1f1b",),
+                      steps=args.profile_steps)(*data)
     print(f"XLA estimate per layer (GFLOP): "
           f"{[round(c.estimate / 1e9, 2) for c in prof.layers]}")
     print(f"measured per layer (ms):        {[round(c.seconds * 1e3, 1) for c in prof.layers]}")
-    before, wb, _ = measure(client, fn, data, args.repeat, microbatches=m, schedule="1f1b",
-                            stages=2)
-    prof2 = dd.profile(fn, microbatches=m, stages=prof, client=client,
-                       schedules=("1f1b",))(*data)
-    split_p = [c.stage for c in prof2.layers]
-    after, wa, _ = measure(client, fn, data, args.repeat, microbatches=m, schedule="1f1b",
-                           stages=prof)
-    pb, pa = dd.predict("1f1b", prof), dd.predict("1f1b", prof2)
-    for label, split, spans, walls, pr, pp in (("before (stages=2)", split_x, before, wb, prof, pb),
-                                               ("after (stages=prof)", split_p, after, wa, prof2,
-                                                pa)):
+    prof2 = dd.profile(fn, microbatches=m, stages=prof, client=client, schedules=("1f1b",),
+                       steps=args.profile_steps)(*data)
+    steps = [Step(client, fn, data, microbatches=m, schedule="1f1b", stages=2),
+             Step(client, fn, data, microbatches=m, schedule="1f1b", stages=prof)]
+    other = side_by_side(steps, args.repeat)
+    for label, pr, st in (("before (stages=2)", prof, steps[0]),
+                          ("after (stages=prof)", prof2, steps[1])):
         fb = " / ".join(f"{s.f * 1e3:.1f}+{s.b * 1e3:.1f}" for s in pr.stages)
-        print(f"{label:20s} split {split}: stage F+B ms {fb}; makespan "
-              f"{statistics.median(spans) * 1e3:.0f} ms (predicted {pp.makespan * 1e3:.0f}), "
-              f"step {statistics.median(walls) * 1e3:.0f} ms")
-    print(f"after / before: makespan {statistics.median(after) / statistics.median(before):.2f}"
-          f", step {statistics.median(wa) / statistics.median(wb):.2f}")
+        print(f"{label:20s} split {[c.stage for c in pr.layers]}: stage F+B ms {fb}; makespan "
+              f"{statistics.median(st.spans) * 1e3:.0f} ms (predicted "
+              f"{dd.predict('1f1b', pr).makespan * 1e3:.0f}), step "
+              f"{statistics.median(st.walls) * 1e3:.0f} ms")
+    b, a = steps
+    print(f"after / before: makespan {statistics.median(a.spans) / statistics.median(b.spans):.2f}"
+          f", step {statistics.median(a.walls) / statistics.median(b.walls):.2f} (side by side, "
+          f"{args.repeat} rounds; other processes used {other:.2f} cores meanwhile)")
 
 
 def main() -> None:
@@ -168,8 +225,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--per-stage", type=int, default=4)
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--extra", type=int, default=12)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--profile-steps", type=int, default=2)
+    ap.add_argument("--extra", type=int, default=48)
     ap.add_argument("--picture", default="bench_planner_1f1b.png")
     ap.add_argument("--skip", choices=("predict", "balance"), default=None)
     ap.add_argument("--quick", action="store_true", help="256 wide, batch 128, 2 layers/stage")

@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
                    has_aux: bool = False, *, microbatches: int = 1, schedule: Any = None,
                    batch_argnums: Sequence[int] | None = None, batch_axis: int = 0,
-                   stages: int | str | None = None,
+                   stages: int | str | Any = None,
                    placement: Mapping[int, Any] | None = None, fuse: bool | None = None,
                    resident: bool = True, dispatch: str | None = None) -> Callable[..., Any]:
     """Like `jax.value_and_grad`, but returns Dask collections and runs nothing.
@@ -37,7 +37,8 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
     scattered to their stage's worker once and reused while the same arrays are passed
     (`resident=False` ships them with every graph); without one, stage k runs on local
     JAX device ``k mod n``. ``stages="auto"`` (or an int) splits an unstaged model into
-    that many stages (auto: one per worker/device) balanced by XLA's cost estimate.
+    that many stages (auto: one per worker/device) balanced by XLA's cost estimate;
+    ``stages=profile`` (a `dd.Profile`) balances them by measured times instead.
     ``fuse=True`` turns each run of consecutive calls on one stage into a single forward
     and a single VJP task (one jitted function) - faster when layers are small. The
     default (None) fuses pipelines (microbatches > 1 or a schedule) and nothing else.

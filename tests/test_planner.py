@@ -228,9 +228,9 @@ def test_stage_actions_fold_a_programs_small_tasks_into_its_actions() -> None:
     ]
     rec = Recording(tasks=tasks, worker_names={"a": "slot0", "b": "slot1"})
     acts = stage_actions(rec)
-    assert acts[("F", 0, 0)] == ("a", 0.5, 2.5, 2.5)          # + split
-    assert acts[("B", 0, 0)] == ("a", 9.0, 12.0, 3.25)        # + acc, not the output's
-    assert acts[("F", 1, 0)][3] == 2.5                        # + loss
+    assert acts[("F", 0, 0)] == ("a", 0.5, 2.5, 2.5, ((0.0, 0.5), (0.5, 2.5)))  # + split
+    assert acts[("B", 0, 0)] == ("a", 9.0, 12.0, 3.25, ((9.0, 12.0), (12.0, 12.25)))  # + acc
+    assert acts[("F", 1, 0)].cost == 2.5                      # + loss
     # worker b waited for F at stage 0 (idle since the start): 1.5; worker a waited for
     # B at stage 1 (its previous task ended at 2.5 < 8.0): 1.0
     assert sorted(hop_samples(rec, acts, 2, {(0, 1): 64, (1, 0): 64})) == [(1.0, 64),
@@ -304,8 +304,12 @@ def test_profile_of_a_real_step(real_profile: dd.Profile) -> None:
         assert s.samples >= 4 and s.param_bytes == 2 * (32 * 32 + 32) * 4
         assert s.layers == (("dense", "dense") if s.stage == 0 else ("dense", "dense", "mse"))
     assert prof.stages[0].send_forward == 8 * 32 * 4 == prof.stages[1].send_backward
+    # kept per live microbatch (8 x 32 floats = 1 KiB a value): stage 0 x, h1, h2;
+    # stage 1 h2, h3, h4, t and the loss
+    assert [s.activation_bytes for s in prof.stages] == [3 * 1024, 4 * 1024 + 4]
     assert prof.hop_latency > 0 and prof.hop_samples > 0 and prof.hop_bytes == 8 * 32 * 4
     assert prof.bandwidth is None or prof.bandwidth > 0
+    assert 0.0 <= prof.contention <= 1.0 and prof.hosts == ("127.0.0.1", "127.0.0.1")
     assert [c.name for c in prof.layers] == ["dense"] * 4 + ["mse"]
     assert "Profile: 2 stages on 2 workers" in repr(prof) and "<table>" in prof._repr_html_()
     pred = dd.predict("1f1b", prof)
@@ -329,3 +333,79 @@ def test_prediction_timeline_draws_both(real_profile: dd.Profile, client2: Any,
     fig = pred.timeline(rec, path=str(path))
     assert path.stat().st_size > 0 and len(fig.axes) == 2
     assert len(timeline(pred).axes) == 1
+
+
+# ----------------------------------------------------------------- contention
+
+def test_contention_shares_a_host_by_hand() -> None:
+    # 1F1B, p = 2, m = 2, F = B = 1 everywhere. contention 1: two busy workers each run
+    # at half speed. t 0-1 w0 F0 alone; 1-3 w0 F1 and w1 F0 together; 3-4 w1 B0 alone;
+    # 4-6 w0 B0 and w1 F1 together; 6-7 w1 B1; 7-8 w0 B1  -> 8 (6 without contention)
+    costs = {0: {"F": 1.0, "B": 1.0}, 1: {"F": 1.0, "B": 1.0}}
+    assert simulate("1f1b", 2, 2, stage_costs=costs).makespan == 6.0
+    res = simulate("1f1b", 2, 2, stage_costs=costs, contention=1.0)
+    assert res.makespan == 8.0
+    assert res.spans[1] == (("F0", 1.0, 3.0), ("B0", 3.0, 4.0), ("F1", 4.0, 6.0),
+                            ("B1", 6.0, 7.0))
+    assert res.busy == (6.0, 6.0)
+    # contention 0.5: together each runs at 1 / 1.5 -> 1 + 1.5 + 1 + 1.5 + 1 + 1 = 7
+    assert simulate("1f1b", 2, 2, stage_costs=costs, contention=0.5).makespan == 7.0
+    # on two hosts nothing is shared
+    assert simulate("1f1b", 2, 2, stage_costs=costs, contention=1.0,
+                    hosts=["a", "b"]).makespan == 6.0
+    with pytest.raises(dd.ScheduleError, match=r"hosts names 3 hosts for 2 workers"):
+        simulate("1f1b", 2, 2, contention=1.0, hosts=["a", "b", "c"])
+    with pytest.raises(dd.ScheduleError, match=r"contention=-1"):
+        simulate("1f1b", 2, 2, contention=-1)
+
+
+@pytest.mark.parametrize("name,p,m", CASES)
+def test_vanishing_contention_is_the_plain_simulation(name: str, p: int, m: int) -> None:
+    plain = simulate(name, p, m, f=1.0, b=2.0, comm=0.25)
+    shared = simulate(name, p, m, f=1.0, b=2.0, comm=0.25, contention=1e-12)
+    assert shared.makespan == pytest.approx(plain.makespan)
+    assert [[a for a, _, _ in w] for w in shared.spans] == [[a for a, _, _ in w]
+                                                            for w in plain.spans]
+
+
+def test_fit_contention_finds_an_even_share() -> None:
+    from dagdiff.inspect.profile import fit_contention, overlap_segments, work
+
+    # every action has 1 s of work: alone it takes 1 s, next to the other worker 2 s
+    def t(w: str, a: float, b: float, k: str, g: int, mb: int) -> TaskRecord:
+        return TaskRecord(f"{k}{g}{mb}", w, a, b, k, None, g, mb)
+    tasks = [t("a", 0, 1, "F", 0, 0), t("a", 1, 3, "F", 0, 1), t("b", 1, 3, "F", 1, 0),
+             t("b", 3, 4, "B", 1, 0), t("a", 4, 6, "B", 0, 0), t("b", 4, 6, "F", 1, 1),
+             t("b", 6, 7, "B", 1, 1), t("a", 7, 8, "B", 0, 1)]
+    acts = stage_actions(Recording(tasks=tasks))
+    segs = overlap_segments(acts)
+    assert segs[("F", 0, 1)] == [(2.0, 2)] and segs[("F", 0, 0)] == [(1.0, 1)]
+    assert fit_contention([segs]) == 1.0
+    assert all(work(s, 1.0) == pytest.approx(1.0) for s in segs.values())
+    # on different hosts nothing overlaps: no contention to fit
+    assert fit_contention([overlap_segments(acts, host_of=lambda w: w)]) == 0.0
+
+
+def test_predict_uses_the_profiles_contention_and_hosts() -> None:
+    prof = dataclass_replace(fake_profile(2, m=4, hop=0.0), contention=1.0,
+                             hosts=("10.0.0.1", "10.0.0.1"))
+    shared = dd.predict("1f1b", prof)
+    want = simulate("1f1b", 2, 4, stage_costs=prof.stage_costs(), contention=1.0)
+    assert shared.makespan == pytest.approx(want.makespan)
+    assert shared.makespan > dd.predict("1f1b", fake_profile(2, m=4, hop=0.0)).makespan
+    apart = dataclass_replace(prof, hosts=("10.0.0.1", "10.0.0.2"))   # nothing shared
+    assert dd.predict("1f1b", apart).makespan == pytest.approx(
+        dd.predict("1f1b", fake_profile(2, m=4, hop=0.0)).makespan)
+
+
+def test_profile_options_fail_at_once() -> None:
+    with pytest.raises(dd.ArgumentError, match=r"dd.profile: microbatches must be a positive"):
+        dd.profile(staged_loss, microbatches=0)
+    with pytest.raises(dd.ArgumentError, match=r"warmup must be an int >= 0"):
+        dd.profile(staged_loss, steps=0)
+    with pytest.raises(dd.ScheduleError, match=r"unknown schedule 'nope'"):
+        dd.profile(staged_loss, schedules=("nope",))
+    with pytest.raises(dd.ArgumentError, match=r"needs a distributed client"):
+        dd.profile(staged_loss, microbatches=2, client=object())(M.init_dense(KEY, [4, 4, 4]),
+                                                                 np.ones((4, 4), np.float32),
+                                                                 np.ones((4, 4), np.float32))

@@ -31,7 +31,8 @@ class Prediction:
     for their gradient accumulators in ``memory``), ``memory`` = activations + 2 x
     params. ``comm``: mean seconds of one cross-worker hop, ``hops``: how many a step
     has; ``layout``: per worker its global stages; ``spans``: per worker (action, start,
-    end), as `simulate` gives them."""
+    end), as `simulate` gives them; ``overhead``: the profile's step overhead (see
+    `step_time`)."""
 
     schedule: str
     virtual_stages: int
@@ -48,6 +49,13 @@ class Prediction:
     hops: int
     layout: tuple[tuple[int, ...], ...]
     spans: tuple[tuple[tuple[str, float, float], ...], ...]
+    overhead: float = 0.0
+
+    @property
+    def step_time(self) -> float:
+        """Predicted whole step (submit to result): `makespan` + the profile's measured
+        step overhead (submitting, starting the programs, collecting outputs)."""
+        return self.makespan + self.overhead
 
     @property
     def peak_memory(self) -> int:
@@ -119,7 +127,8 @@ def predict(schedule: str | Schedule, profile: Profile, microbatches: int | None
     the profiled model and cluster: `simulate` on the profile's per-stage F/B/I/W times
     and per-edge hop times (latency, plus bytes over the bandwidth where measured),
     scaled to the microbatch size (the same batch cut into `microbatches` parts), and
-    memory per worker from the schedule's order. `workers` defaults to the profile's; the
+    memory per worker from the schedule's order; workers on one host slow each other
+    down as the profile's fitted ``contention`` says. `workers` defaults to the profile's; the
     schedule must lay out exactly the profile's stages (p x virtual stages), else
     ScheduleError."""
     prof = _check_profile(profile, "dd.predict")
@@ -129,7 +138,8 @@ def predict(schedule: str | Schedule, profile: Profile, microbatches: int | None
     sched.validate(p, m)
     scale = prof.scale(m)
     edges = prof.edge_comm(m)
-    sim = simulate(sched, p, m, stage_costs=prof.stage_costs(m), edge_comm=edges)
+    sim = simulate(sched, p, m, stage_costs=prof.stage_costs(m), edge_comm=edges,
+                   contention=prof.contention, hosts=_hosts(prof, p))
     layout = sched.checked_layout(p)
     act = {s.stage: s.activation_bytes * scale for s in prof.stages}
     params = [sum(prof.stages[g].param_bytes for g in stages) for stages in layout]
@@ -157,7 +167,15 @@ def predict(schedule: str | Schedule, profile: Profile, microbatches: int | None
         peak_live=tuple(peaks), activation_bytes=tuple(peak_bytes),
         param_bytes=tuple(params), memory=tuple(a + 2 * b for a, b in zip(peak_bytes, params)),
         comm=sum(cross) / len(cross) if cross else 0.0, hops=len(cross) * m,
-        layout=tuple(tuple(s) for s in layout), spans=sim.spans)
+        layout=tuple(tuple(s) for s in layout), spans=sim.spans, overhead=prof.step_overhead)
+
+
+def _hosts(prof: Profile, p: int) -> list[Any] | None:
+    """Each of p workers' host: the profile's (by slot) when it measured p workers, one
+    host when all it saw were on one, else a host per worker."""
+    if len(set(prof.hosts)) <= 1:
+        return None
+    return list(prof.hosts) if len(prof.hosts) == p else list(range(p))
 
 
 def _takes_virtual_stages(name: str) -> bool:

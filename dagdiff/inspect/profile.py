@@ -6,12 +6,14 @@ import bisect
 import functools
 import html
 import statistics
+import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
 import jax
 import numpy as np
+from distributed.comm.addressing import get_address_host
 
 from ..build import Build, Options, build, trace_model
 from ..cluster.info import current_client, workers_info
@@ -22,8 +24,9 @@ from ..schedules import Interleaved, InterleavedZeroBubble, LoopedBFS, Schedule,
 from .record import Recording, record
 
 
-__all__ = ["StageProfile", "LayerCost", "Profile", "profile", "stage_actions", "hop_samples",
-           "measure_bandwidth", "KINDS"]
+__all__ = ["StageProfile", "LayerCost", "Profile", "profile", "ActionTime", "stage_actions",
+           "hop_samples", "overlap_segments", "work", "fit_contention", "measure_bandwidth",
+           "KINDS"]
 
 #: the action kinds a profile times (forward, full backward, input grad, weight grad)
 KINDS = ("F", "B", "I", "W")
@@ -40,8 +43,9 @@ class StageProfile:
     schedules the profile ran (when only one kind ran: I = W = B / 2, or B = I + W).
     ``send_forward``: activation bytes it sends to later stages; ``send_backward``:
     cotangent bytes it sends to earlier stages; ``activation_bytes``: what one live
-    microbatch keeps on its worker (the stage's layer inputs and outputs, parameters
-    left out: an estimate from the traced avals); ``param_bytes``: its parameters."""
+    microbatch keeps on its worker (the inputs and outputs of the stage's layer calls
+    before fusion, parameters left out: an estimate from the traced avals);
+    ``param_bytes``: its parameters."""
 
     stage: int
     worker: str
@@ -80,8 +84,14 @@ class Profile:
     (``hop_latency`` s: median, over ``hop_samples`` dependencies whose consumer was
     waiting, of consumer start - producer end, moving ``hop_bytes`` bytes); the
     bandwidth between two workers (bytes/s, None if not measured); per layer call the
-    `LayerCost` that ``stages=profile`` balances by. Times are per microbatch at
-    ``microbatches`` microbatches (`stage_costs` scales them to another count).
+    `LayerCost` that ``stages=profile`` balances by; ``edges``: (src, dst, bytes per
+    microbatch) between stages; ``step_overhead``: seconds of a whole step (submit to
+    result) outside its first to last action (median; 0 when not timed);
+    ``contention``: how much workers on one host slow each other down (0: not at all,
+    1: they share it evenly; fitted to the recorded actions, see `simulate`), in which
+    case the stage times are alone-times; ``hosts``: each worker's host, by slot. Times
+    are per microbatch at ``microbatches`` microbatches (`stage_costs` scales them to
+    another count).
 
     ``dd.predict(schedule, profile)`` simulates a schedule on these costs;
     ``dd.value_and_grad(fn, ..., stages=profile)`` splits an unstaged `fn` into
@@ -97,6 +107,9 @@ class Profile:
     layers: tuple[LayerCost, ...]
     schedules: tuple[str, ...]
     edges: tuple[tuple[int, int, int], ...] = ()
+    step_overhead: float = 0.0
+    contention: float = 0.0
+    hosts: tuple[str, ...] = ()
 
     @property
     def num_stages(self) -> int:
@@ -170,12 +183,18 @@ class Profile:
     def from_recording(cls, recording: Recording, build: Build, *,
                        also: Sequence[tuple[Recording, Build]] = (),
                        raw_trace: Trace | None = None,
-                       bandwidth: float | None = None) -> "Profile":
+                       bandwidth: float | None = None,
+                       walls: Sequence[float] = (),
+                       contention: float | None = None) -> "Profile":
         """A Profile from `dd.record` recordings of pipeline steps: `recording` of one
         step of `build` (a `dagdiff.build.build` result), and in `also` more (recording,
         build) pairs of the same model (other schedules: a split-backward one gives I
         and W). `raw_trace`: the staged trace before fusion, whose layer calls get
-        `LayerCost`s (default: the build's trace). `bandwidth` in bytes/s if measured."""
+        `LayerCost`s (default: the build's trace). `bandwidth` in bytes/s if measured;
+        `walls`: the whole-step seconds of the recordings, in order (`step_overhead`).
+        `contention`: how workers on one host slow each other (see `simulate`); None fits
+        it to the recordings (`fit_contention`), and the stage times are then each
+        action's alone-time (`work`)."""
         runs = [(recording, build), *also]
         for rec, b in runs:
             if not isinstance(rec, Recording) or not isinstance(b, Build):
@@ -194,20 +213,36 @@ class Profile:
                                 "stage it (dd.stage, stage=, or stages='auto'/an int)")
         samples: dict[tuple[str, int], list[float]] = defaultdict(list)
         hops: list[tuple[float, int]] = []
+        overheads: list[float] = []
         ebytes = _edge_bytes(model.trace)
         names: list[str] = []
+        if contention is not None and not (isinstance(contention, (int, float))
+                                           and not isinstance(contention, bool)
+                                           and contention >= 0):
+            raise ArgumentError(f"Profile.from_recording: contention must be a number >= 0 "
+                                f"or None (fit it), got {contention!r}")
+        segments: list[Segments] = []
         for rec, b in runs:
             acts = stage_actions(rec)
             if not acts:
                 raise ArgumentError(
                     "Profile.from_recording: the recording holds no F/B/I/W action; fix: "
                     "compute the step inside `with dd.record(client) as rec:`")
-            for (kind, stage, _mb), a in acts.items():
-                samples[(kind, stage)].append(a[3])
+            segments.append(overlap_segments(acts, _host))
             hops += hop_samples(rec, acts, nstages, ebytes)
-            names.append(b.options.schedule.name if b.options.schedule else "none")
+            name = b.options.schedule.name if b.options.schedule else "none"
+            if name not in names:
+                names.append(name)
+            if len(overheads) < len(walls):
+                span = max(a.stop for a in acts.values()) - min(a.start for a in acts.values())
+                overheads.append(max(walls[len(overheads)] - span, 0.0))
+        c = fit_contention(segments) if contention is None else float(contention)
+        for segs in segments:
+            for (kind, stage, _mb), ss in segs.items():
+                samples[(kind, stage)].append(work(ss, c))
         slot_of = {s: str(w) for s, w in build.targets.of.items()}
         raw = raw_trace if raw_trace is not None else model.trace
+        raw_facts = _stage_facts(raw)       # per layer: the values a live microbatch keeps
         raw_layers: dict[int, list[str]] = defaultdict(list)
         for n in raw.nodes:
             if n.kind == "call" and n.stage is not None:
@@ -234,7 +269,8 @@ class Profile:
             stages.append(StageProfile(
                 stage=g, worker=slot_of.get(g, "?"), f=f, b=bb, i=i, w=w,
                 send_forward=fa["send_forward"], send_backward=fa["send_backward"],
-                activation_bytes=fa["activation_bytes"], param_bytes=fa["param_bytes"],
+                activation_bytes=(raw_facts[g] if g < len(raw_facts) else fa)["activation_bytes"],
+                param_bytes=fa["param_bytes"],
                 layers=tuple(raw_layers.get(g) or fa["layers"]),
                 samples=len(samples[("F", g)])))
         if hops:
@@ -243,11 +279,16 @@ class Profile:
         else:
             latency, hop_bytes = 0.0, 0
         layers = _layer_costs(raw, stages)
-        workers = len(set(build.targets.of.values())) or 1
+        slots = sorted(set(build.targets.of.values()),
+                       key=lambda x: min(g for g, y in build.targets.of.items() if y == x))
+        hosts = tuple(_host(str(build.targets.addresses.get(x, x))) for x in slots)
+        workers = len(slots) or 1
         return cls(stages=tuple(stages), workers=workers, microbatches=build.options.microbatches,
                    hop_latency=float(latency), hop_bytes=hop_bytes, hop_samples=len(hops),
                    bandwidth=bandwidth, layers=tuple(layers), schedules=tuple(names),
-                   edges=tuple((s, d, n) for (s, d), n in sorted(ebytes.items())))
+                   edges=tuple((s, d, n) for (s, d), n in sorted(ebytes.items())),
+                   step_overhead=statistics.median(overheads) if overheads else 0.0,
+                   contention=c, hosts=hosts)
 
     # ------------------------------------------------------------------ pictures of it
 
@@ -268,7 +309,8 @@ class Profile:
         return (f"Profile: {self.num_stages} stages on {self.workers} workers, "
                 f"{self.microbatches} microbatches ({', '.join(self.schedules)}); hop "
                 f"{self.hop_latency * 1e3:.2f} ms ({_bytes(self.hop_bytes)}, "
-                f"{self.hop_samples} samples), bandwidth {bw}")
+                f"{self.hop_samples} samples), bandwidth {bw}, step overhead "
+                f"{self.step_overhead * 1e3:.0f} ms, contention {self.contention:.2f}")
 
     def __repr__(self) -> str:
         rows = [self._HEAD, *self._rows()]
@@ -282,6 +324,14 @@ class Profile:
                        for r in self._rows())
         return (f"<p>{html.escape(self._title())}</p><table><thead><tr>{head}</tr></thead>"
                 f"<tbody>{body}</tbody></table>")
+
+
+def _host(address: str) -> str:
+    """The host part of a worker address (the address itself where it has none)."""
+    try:
+        return str(get_address_host(address))
+    except (ValueError, TypeError):
+        return address
 
 
 def _summary(names: Sequence[str]) -> str:
@@ -384,41 +434,54 @@ def _layer_costs(trace: Trace, stages: Sequence[StageProfile]) -> list[LayerCost
 
 # ---------------------------------------------------------------- reading a recording
 
-def stage_actions(rec: Recording) -> dict[tuple[str, int, int], tuple[str, float, float, float]]:
-    """(kind, stage, microbatch) -> (worker, start, stop, cost) of each F/B/I/W action in
-    `rec`. Cost is the action's compute time plus that of the small tasks its program
-    runs with it: a microbatch's input ``split`` before its F, and the ``acc``/``loss``/
-    ``add`` tasks right after an action (until the program ends: a task without a
-    microbatch, e.g. ``done``, ends the chain). Several tasks of one action (a stage of
-    unfused layers) add up."""
+class ActionTime(NamedTuple):
+    """One F/B/I/W action read from a recording: its worker, first start and last stop,
+    its cost (seconds of compute, its program's small tasks included) and the (start,
+    stop) of each task that cost is made of."""
+
+    worker: str
+    start: float
+    stop: float
+    cost: float
+    parts: tuple[tuple[float, float], ...]
+
+
+def stage_actions(rec: Recording) -> dict[tuple[str, int, int], ActionTime]:
+    """(kind, stage, microbatch) -> `ActionTime` of each F/B/I/W action in `rec`. Its cost
+    is the action's compute time plus that of the small tasks its program runs with it:
+    a microbatch's input ``split`` before its F, and the ``acc``/``loss``/``add`` tasks
+    right after an action (until the program ends: a task without a microbatch, e.g.
+    ``done``, ends the chain). Several tasks of one action (a stage of unfused layers)
+    add up."""
     out: dict[tuple[str, int, int], list[Any]] = {}
     for wk in rec.workers:
         tasks = sorted((t for t in rec.tasks if t.worker == wk and t.phase != "transfer"),
                        key=lambda t: (t.start, t.stop))
-        split: dict[int, float] = defaultdict(float)
+        split: dict[int, list[tuple[float, float]]] = defaultdict(list)
         last: tuple[str, int, int] | None = None
         for t in tasks:
-            dur = max(t.stop - t.start, 0.0)
+            span = (t.start, max(t.stop, t.start))
             if t.phase in KINDS and t.stage is not None and t.microbatch is not None:
                 key = (t.phase, t.stage, t.microbatch)
-                extra = split.pop(t.microbatch, 0.0) if t.phase == "F" else 0.0
+                parts = [span, *(split.pop(t.microbatch, []) if t.phase == "F" else [])]
                 a = out.get(key)
                 if a is None:
-                    out[key] = [wk, t.start, t.stop, dur + extra]
+                    out[key] = [wk, t.start, t.stop, parts]
                 else:
-                    a[1], a[2], a[3] = min(a[1], t.start), max(a[2], t.stop), a[3] + dur + extra
+                    a[1], a[2] = min(a[1], t.start), max(a[2], t.stop)
+                    a[3] += parts
                 last = key
             elif t.microbatch is None:
                 last = None
             elif t.phase == "split":
-                split[t.microbatch] += dur
+                split[t.microbatch].append(span)
             elif last is not None:
-                out[last][3] += dur
-    return {k: (v[0], v[1], v[2], v[3]) for k, v in out.items()}
+                out[last][3].append(span)
+    return {k: ActionTime(v[0], v[1], v[2], sum(b - a for a, b in v[3]),
+                          tuple(sorted(v[3]))) for k, v in out.items()}
 
 
-def hop_samples(rec: Recording, acts: Mapping[tuple[str, int, int], tuple[str, float, float,
-                                                                          float]],
+def hop_samples(rec: Recording, acts: Mapping[tuple[str, int, int], ActionTime],
                 num_stages: int, edge_bytes: Mapping[tuple[int, int], int] | None = None
                 ) -> list[tuple[float, int]]:
     """(seconds, bytes) of each cross-worker dependency in `rec` whose consumer waited
@@ -433,7 +496,7 @@ def hop_samples(rec: Recording, acts: Mapping[tuple[str, int, int], tuple[str, f
     for v in stops.values():
         v.sort()
     out = []
-    for (kind, g, mb), (wk, start, _stop, _c) in acts.items():
+    for (kind, g, mb), a in acts.items():
         if kind == "F":
             src = ("F", g - 1, mb) if g > 0 else None
         elif kind in ("B", "I") or (kind == "W" and ("I", g, mb) not in acts):
@@ -443,14 +506,71 @@ def hop_samples(rec: Recording, acts: Mapping[tuple[str, int, int], tuple[str, f
             src = None
         if src is None or src not in acts:
             continue
-        pw, _ps, pstop, _pc = acts[src]
-        if pw == wk or start < pstop:
+        prod = acts[src]
+        if prod.worker == a.worker or a.start < prod.stop:
             continue
-        at = bisect.bisect_right(stops[wk], start + 1e-9)
-        prev = stops[wk][at - 1] if at else float("-inf")
-        if prev <= pstop + 1e-6:
-            out.append((start - pstop, int(edge_bytes.get((src[1], g), 0))))
+        at = bisect.bisect_right(stops[a.worker], a.start + 1e-9)
+        prev = stops[a.worker][at - 1] if at else float("-inf")
+        if prev <= prod.stop + 1e-6:
+            out.append((a.start - prod.stop, int(edge_bytes.get((src[1], g), 0))))
     return out
+
+
+Segments = dict[tuple[str, int, int], list[tuple[float, int]]]
+
+
+def overlap_segments(acts: Mapping[tuple[str, int, int], ActionTime],
+                     host_of: Callable[[str], Any] | None = None) -> Segments:
+    """Per action, its tasks cut into (seconds, n): n = how many workers of its host
+    (itself included) were running an action then. `host_of`: worker -> host (default:
+    one host)."""
+    host = host_of or (lambda w: 0)
+    busy: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for a in acts.values():
+        busy[a.worker].extend(a.parts)
+    out: Segments = {}
+    for key, a in acts.items():
+        others = [ivs for w, ivs in busy.items() if w != a.worker and host(w) == host(a.worker)]
+        segs = []
+        for x, y in a.parts:
+            cuts = sorted({x, y, *(e for ivs in others for iv in ivs for e in iv if x < e < y)})
+            for u, v in zip(cuts, cuts[1:]):
+                mid = (u + v) / 2
+                n = 1 + sum(any(s <= mid < e for s, e in ivs) for ivs in others)
+                segs.append((v - u, n))
+        out[key] = segs
+    return out
+
+
+def work(segments: Sequence[tuple[float, int]], contention: float) -> float:
+    """Seconds an action would take alone on its host, from its `overlap_segments`: each
+    piece shared with n - 1 other busy workers ran at 1 / (1 + contention x (n - 1))."""
+    return sum(d / (1.0 + contention * (n - 1)) for d, n in segments)
+
+
+def fit_contention(runs: Sequence[Segments], grid: int = 20) -> float:
+    """The contention in [0, 1] (steps of 1 / `grid`) under which the actions of each
+    (kind, stage) have the most equal alone-times (`work`): the smallest mean relative
+    spread (stdev / mean, weighted by samples). 0 when nothing ever overlapped."""
+    if not any(n > 1 for segs in runs for ss in segs.values() for _, n in ss):
+        return 0.0
+    best, best_c = float("inf"), 0.0
+    for k in range(grid + 1):
+        c = k / grid
+        groups: dict[tuple[str, int], list[float]] = defaultdict(list)
+        for segs in runs:
+            for (kind, g, _mb), ss in segs.items():
+                groups[(kind, g)].append(work(ss, c))
+        spread = total = 0.0
+        for xs in groups.values():
+            mean = statistics.fmean(xs)
+            if len(xs) >= 2 and mean > 0:
+                spread += statistics.pstdev(xs) / mean * len(xs)
+                total += len(xs)
+        score = spread / total if total else 0.0
+        if score < best - 1e-12:
+            best, best_c = score, c
+    return best_c
 
 
 # ------------------------------------------------------------------ measuring a cluster
@@ -475,7 +595,8 @@ def measure_bandwidth(client: Any, src: str, dst: str,
     for r in range(repeat):
         for n in sizes:
             x = client.submit(_fill, n, r, workers=[src], pure=False)
-            wait(x)
+            with client.as_current():
+                wait(x)
             with get_task_stream(client) as ts:
                 y = client.submit(_size, x, workers=[dst], pure=False)
                 y.result()
@@ -510,8 +631,8 @@ def profile(fn: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: b
             *, microbatches: int = 8, schedules: Iterable[Any] | None = None,
             client: Any = None, stages: Any = None, placement: Mapping[int, Any] | None = None,
             batch_argnums: Sequence[int] | None = None, batch_axis: int = 0,
-            warmup: int = 1, steps: int = 1, bandwidth: bool = True
-            ) -> Callable[..., Profile]:
+            warmup: int = 1, steps: int = 1, bandwidth: bool = True,
+            contention: float | None = None) -> Callable[..., Profile]:
     """Measure `fn` (a loss function, as for `dd.value_and_grad`) on a cluster:
     ``prof = dd.profile(loss_fn, microbatches=8, stages=2)(params, x, t)``.
 
@@ -521,8 +642,10 @@ def profile(fn: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: b
     `Profile` of those: per stage the median F, B, I, W seconds, the bytes sent to the
     next and previous stage, the hop latency between workers measured in the step, and
     (`bandwidth=True`, two workers or more) the bandwidth between the first two
-    workers. Gradients stay on the workers. Needs a distributed client (given, or the
-    current one)."""
+    workers. `contention` (None: fitted; 0 for workers that never share a core, e.g. one
+    per GPU) says how much workers on one host slow each other (see `simulate`).
+    Gradients stay on the workers. Needs a distributed client (given, or the current
+    one)."""
     if not all(isinstance(x, int) and not isinstance(x, bool) and x >= lo
                for x, lo in ((warmup, 0), (steps, 1))):
         raise ArgumentError(f"dd.profile: warmup must be an int >= 0 and steps an int >= 1, "
@@ -538,6 +661,8 @@ def profile(fn: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: b
                             batch_argnums=batch_argnums, batch_axis=batch_axis, stages=stages,
                             placement=placement, fuse=fuse)
 
+    options("1f1b" if chosen is None else chosen[0])      # bad options fail here, at once
+
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Profile:
         c = client if client is not None else current_client()
@@ -552,6 +677,7 @@ def profile(fn: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: b
         scheds = chosen if chosen is not None else _default_schedules(
             nstages, len(workers_info(c)), microbatches)
         runs: list[tuple[Recording, Build]] = []
+        walls: list[float] = []
         for sched in scheds:
             b = build(fn, args, kwargs, options(sched), c)
             loss, grads = b.outputs()
@@ -560,7 +686,9 @@ def profile(fn: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: b
                     _step(c, loss, grads)
                     continue
                 with record(c) as rec:
+                    t0 = time.perf_counter()
                     _step(c, loss, grads)
+                    walls.append(time.perf_counter() - t0)
                 runs.append((rec, b))
         bw = None
         first = runs[0][1]
@@ -570,7 +698,7 @@ def profile(fn: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: b
         if bandwidth and len(addrs) >= 2 and all("://" in a for a in addrs[:2]):
             bw = measure_bandwidth(c, addrs[0], addrs[1])
         return Profile.from_recording(runs[0][0], first, also=runs[1:], raw_trace=raw,
-                                      bandwidth=bw)
+                                      bandwidth=bw, walls=walls, contention=contention)
 
     return run
 
@@ -580,7 +708,8 @@ def _step(client: Any, loss: Any, grads: Any) -> None:
     from distributed import wait
 
     futures = client.compute([loss, *jax.tree_util.tree_leaves(grads)])
-    wait(futures)
+    with client.as_current():
+        wait(futures)
     errors = [f.exception() for f in futures if f.status == "error"]
     if errors:
         raise errors[0]

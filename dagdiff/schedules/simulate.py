@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Callable, Hashable, Mapping, Sequence
 
 from ..errors import ScheduleError
 from .action import Action
@@ -35,6 +35,8 @@ def simulate(
     *,
     stage_costs: Mapping[int, Mapping[str, float]] | None = None,
     edge_comm: Mapping[tuple[int, int], float] | None = None,
+    contention: float = 0.0,
+    hosts: Sequence[Hashable] | None = None,
 ) -> SimResult:
     """Run each worker's actions strictly in order, each as early as dependencies allow.
 
@@ -53,6 +55,13 @@ def simulate(
     uniform cost above. ``edge_comm[(src, dst)]`` replaces ``comm`` on the dependency of
     an action at global stage dst on one at src (forward: (g - 1, g), backward:
     (g + 1, g)) when the two stages live on different workers.
+
+    ``contention`` > 0 makes workers on one host share it (processor sharing): costs are
+    then the seconds of an action running alone on its host, and while n workers of a
+    host run actions at once each progresses at rate 1 / (1 + contention x (n - 1)), so
+    1 means they split the host evenly (two workers whose XLA uses every core), 0 (the
+    default) that they never slow each other down. ``hosts[s]`` names worker s's host
+    (default: all on one).
     """
     sched = get_schedule(schedule)
     orders = sched.table(num_stages, microbatches)
@@ -66,6 +75,12 @@ def simulate(
     worker_of = {g: s for s, stages in enumerate(layout) for g in stages}
     per_stage = _stage_costs(sched.name, num_stages, microbatches, costs, stage_costs, last)
     edges = _edge_comm(sched.name, num_stages, microbatches, edge_comm, last)
+    _check_cost(sched.name, num_stages, microbatches, "contention", contention)
+    if hosts is not None and len(hosts) != p:
+        raise schedule_error(sched.name, num_stages, microbatches,
+                             f"hosts names {len(hosts)} hosts for {p} workers",
+                             "pass one host name per worker, or none (all on one host)")
+    host_of = [0] * p if hosts is None else list(hosts)
 
     for s, worker in enumerate(orders):
         seen: set[Action] = set()
@@ -103,30 +118,36 @@ def simulate(
             start = max(start, t + (edges.get((dg, g), comm) if worker_of[dg] != s else 0.0))
         return start
 
-    progress = True
-    while progress:
-        progress = False
-        for s in range(p):
-            worker = orders[s]
-            while position[s] < len(worker):
-                a = worker[position[s]]
-                dep_time = ready_at(s, a)
-                if dep_time is None:
-                    break
-                start = max(clock[s], dep_time)
-                g = layout[s][a.chunk]
-                end = start + per_stage[g][a.kind]
-                if a.kind == "F":
-                    finished[("F", g, a.microbatch)] = end
-                elif a.kind in ("B", "I"):
-                    finished[("B", g, a.microbatch)] = end
-                    if a.kind == "I":
-                        weights_ready[(g, a.microbatch)] = end
-                clock[s] = end
-                busy[s] += end - start
-                spans[s].append((a.format(v > 1), start, end))
-                position[s] += 1
-                progress = True
+    def run(s: int, a: Action, start: float, end: float) -> None:
+        g = layout[s][a.chunk]
+        if a.kind == "F":
+            finished[("F", g, a.microbatch)] = end
+        elif a.kind in ("B", "I"):
+            finished[("B", g, a.microbatch)] = end
+            if a.kind == "I":
+                weights_ready[(g, a.microbatch)] = end
+        clock[s] = end
+        busy[s] += end - start
+        spans[s].append((a.format(v > 1), start, end))
+        position[s] += 1
+
+    if not contention:
+        progress = True
+        while progress:
+            progress = False
+            for s in range(p):
+                worker = orders[s]
+                while position[s] < len(worker):
+                    a = worker[position[s]]
+                    dep_time = ready_at(s, a)
+                    if dep_time is None:
+                        break
+                    start = max(clock[s], dep_time)
+                    run(s, a, start, start + per_stage[layout[s][a.chunk]][a.kind])
+                    progress = True
+    else:
+        _shared(orders, layout, per_stage, ready_at, run, position, float(contention),
+                host_of)
 
     stuck = [
         f"worker {s} at {orders[s][position[s]].format(v > 1)}"
@@ -148,6 +169,56 @@ def simulate(
         bubble_fraction=bubble,
         spans=tuple(tuple(worker) for worker in spans),
     )
+
+
+def _shared(orders: list[list[Action]], layout: list[list[int]],
+            per_stage: list[dict[str, float]],
+            ready_at: Callable[[int, Action], float | None],
+            run: Callable[[int, Action, float, float], None], position: list[int],
+            contention: float, host_of: list[Hashable]) -> None:
+    """`simulate` with processor sharing: an event loop over action starts (a worker idle
+    and its next action's inputs there) and ends (its remaining work done at the rate
+    its host's busy workers leave it)."""
+    p = len(orders)
+    running: list[list[Any] | None] = [None] * p       # [action, start, remaining work]
+    now = 0.0
+    while True:
+        started = True
+        while started:                                  # everything that can start now
+            started = False
+            for s in range(p):
+                if running[s] is not None or position[s] >= len(orders[s]):
+                    continue
+                a = orders[s][position[s]]
+                r = ready_at(s, a)
+                if r is None or r > now:
+                    continue
+                work = per_stage[layout[s][a.chunk]][a.kind]
+                if work > 0:
+                    running[s] = [a, now, work]
+                else:
+                    run(s, a, now, now)
+                    started = True
+        busy_on: dict[Hashable, int] = {}
+        for s in range(p):
+            if running[s] is not None:
+                busy_on[host_of[s]] = busy_on.get(host_of[s], 0) + 1
+        rate = [1.0 / (1.0 + contention * (busy_on.get(host_of[s], 1) - 1)) for s in range(p)]
+        due = {s: now + job[2] / rate[s] for s, job in enumerate(running) if job is not None}
+        upcoming = [r for s in range(p) if running[s] is None and position[s] < len(orders[s])
+                    for r in (ready_at(s, orders[s][position[s]]),) if r is not None and r > now]
+        nxt = min([*due.values(), *upcoming], default=None)
+        if nxt is None:
+            return                                      # done, or stuck (the caller says)
+        for s, t in due.items():
+            job = running[s]
+            assert job is not None
+            if t <= nxt:
+                run(s, job[0], job[1], t)
+                running[s] = None
+            else:
+                job[2] -= rate[s] * (nxt - now)
+        now = nxt
 
 
 def _check_cost(name: str, p: object, m: object, label: str, value: object) -> None:

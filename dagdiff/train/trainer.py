@@ -109,7 +109,7 @@ class Trainer:
     def __init__(self, loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation,
                  microbatches: int = 1, schedule: Any = None, replicas: int = 1,
                  client: Any = None, *,
-                 stages: int | str | None = None, placement: Mapping[int, Any] | None = None,
+                 stages: int | str | Any = None, placement: Mapping[int, Any] | None = None,
                  fuse: bool | None = None, batch_argnums: Sequence[int] | None = None,
                  batch_axis: int = 0, dispatch: str | None = None, recover: bool = True,
                  max_retries: int = 3, copy_every: int = 10) -> None:
