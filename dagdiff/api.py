@@ -9,7 +9,7 @@ from typing import Any, Callable, Mapping, Sequence
 import dask
 
 from .build import Options, build
-from .cluster.info import current_client, lost_workers, wait_for_slots
+from .cluster.info import current_client, lost_workers, may_be_a_lost_worker, wait_for_slots
 from .inspect.graph import TracedGraph
 
 
@@ -90,7 +90,9 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
                 slots = targets.kind == "slots"
                 workers = (set(targets.addresses.values()) if slots else
                            {w for w in targets.of.values() if isinstance(w, str)})
-                gone = lost_workers(client, workers) if attempt < retries else ()
+                gone = (lost_workers(client, workers,
+                                     wait=10.0 if may_be_a_lost_worker(error) else 0.0)
+                        if attempt < retries else ())
                 if not gone:
                     raise
                 log.warning("dagdiff: %s lost worker(s) %s (%s); building and running it "

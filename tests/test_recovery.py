@@ -261,3 +261,31 @@ def test_lost_values_sees_what_the_scheduler_still_has(client2: Any) -> None:
     gone = client2.submit(time.sleep, 30, pure=False)
     gone.cancel()
     assert lost_values(client2, {(0, 0): alive, (0, 1): gone}) == [(0, 1)]
+
+
+def _fragile_fwd(w: Any, x: Any) -> Any:
+    x, w = np.asarray(x), np.asarray(w)
+    if np.any(np.abs(x) > 100):
+        raise RuntimeError("fragile: input too large")
+    return x @ w, (w, x)
+
+
+def test_a_model_error_on_the_cluster_is_raised_not_retried(client2: Any) -> None:
+    """A layer raising on a worker: fit raises that error (naming it), records no
+    recovery, and the cluster has all its workers."""
+    fragile = dd.custom_layer(_fragile_fwd, lambda res, ct: (
+        np.asarray(ct) @ res[0].T, res[1].T @ np.asarray(ct)), name="fragile")
+
+    def fragile_loss(params: Any, x: Any, t: Any) -> Any:
+        with dd.stage(0):
+            h = M.dense(params[0], x)
+        with dd.stage(1):
+            return M.mse(fragile(params[1]["w"], h * 1000.0), t)
+
+    params, batches = make_data(2)
+    trainer = dd.Trainer(fragile_loss, optax.sgd(0.1), microbatches=2, schedule="1f1b",
+                         client=client2)
+    with pytest.raises(Exception, match="fragile"):
+        trainer.fit(batches, params=params, progress=False)
+    assert trainer.recoveries == []
+    assert len(dd.cluster.info.slot_names(client2)) == 2

@@ -1,17 +1,19 @@
 """What the scheduler says about the workers, and the active client."""
 from __future__ import annotations
 
+import concurrent.futures
 import time
 import weakref
 from typing import Any, Collection
 
 from distributed import default_client
+from distributed.scheduler import KilledWorker
 
-from ..errors import ClientClosedError, PlacementError
+from ..errors import ClientClosedError, DirectDispatchError, PlacementError
 
 
 __all__ = ["slot_names", "check_open", "workers_info", "latest_workers_info", "current_client",
-           "lost_workers", "wait_for_slots"]
+           "lost_workers", "wait_for_slots", "may_be_a_lost_worker"]
 
 
 def slot_names(client: Any) -> dict[str, str]:
@@ -71,6 +73,14 @@ def current_client() -> Any:
         return default_client()
     except ValueError:
         return None
+
+
+def may_be_a_lost_worker(error: BaseException) -> bool:
+    """Whether `error` is how a step fails when a worker goes away (a direct-dispatch
+    program that lost a peer, a cancelled or killed task, a closed comm), so that
+    checking for a lost worker is worth a wait; a model's own error is not."""
+    return isinstance(error, (DirectDispatchError, concurrent.futures.CancelledError,
+                              KilledWorker, OSError))
 
 
 def lost_workers(client: Any, addresses: Collection[str], wait: float = 10.0) -> tuple[str, ...]:

@@ -35,7 +35,13 @@ from ..build import (
     step_token,
     trace_model,
 )
-from ..cluster.info import check_open, current_client, lost_workers, slot_names
+from ..cluster.info import (
+    check_open,
+    current_client,
+    lost_workers,
+    may_be_a_lost_worker,
+    slot_names,
+)
 from ..cluster.targets import Targets, resolve_targets
 from ..core.keys import make_key
 from ..core.tracer import home_stages
@@ -278,15 +284,20 @@ class Trainer:
         default = (stage_workers(self.schedule, model.p, self.replicas)
                    if self.schedule is not None else None)
         deadline = time.monotonic() + timeout
+        waited = False
         while True:
             try:
                 targets = resolve_targets(stages, self.client, dict(self.options.placement),
                                           default)
             except PlacementError:
-                if not (self.recover and self.client is not None and self._slots_seen
-                        and self._slots_seen - set(slot_names(self.client).values())
-                        and time.monotonic() < deadline):
+                missing = (self._slots_seen - set(slot_names(self.client).values())
+                           if self.recover and self.client is not None else set())
+                if not missing or time.monotonic() >= deadline:
                     raise
+                if not waited:
+                    log.warning("dagdiff: waiting up to %g s for the worker(s) of %s to come "
+                                "back", timeout, ", ".join(sorted(missing)))
+                    waited = True
                 time.sleep(0.25)
                 continue
             if targets.kind == "slots":
@@ -533,7 +544,8 @@ class Trainer:
             if not self.recover or self.client is None or retries >= self.max_retries:
                 raise error
             t0, wall = time.monotonic(), time.time()
-            gone = lost_workers(self.client, set((entry.after.where or {}).values()))
+            gone = lost_workers(self.client, set((entry.after.where or {}).values()),
+                                wait=10.0 if may_be_a_lost_worker(error) else 0.0)
             if not gone:
                 raise error                           # the model failed, not a worker
             retries += 1
