@@ -36,16 +36,7 @@ import psutil
 from distributed import Client, wait
 
 import dagdiff as dd
-
-
-@dd.layer
-def dense(p: Any, x: Any) -> Any:
-    return jnp.tanh(x @ p["w"] + p["b"])
-
-
-@dd.layer
-def mse(y: Any, t: Any) -> Any:
-    return jnp.mean((y - t) ** 2)
+from common import dense, mse
 
 
 def heavy_layer(extra: int) -> Any:

@@ -3,7 +3,6 @@ from a measured `Profile` (the pure simulator on its costs), and the picture of 
 prediction above the measured timeline."""
 from __future__ import annotations
 
-import html
 import inspect as _inspect
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
@@ -13,7 +12,7 @@ from dask.utils import parse_bytes
 from ..errors import ArgumentError, ScheduleError
 from ..extras import require
 from ..schedules import SCHEDULES, Schedule, get_schedule, simulate
-from .profile import Profile, _bytes
+from .profile import Profile, _bytes, html_table
 from .record import PHASE_COLORS, Recording
 
 
@@ -89,11 +88,7 @@ class Prediction:
                           *("  ".join(x.rjust(wd) for x, wd in zip(r, widths)) for r in rows)])
 
     def _repr_html_(self) -> str:
-        head = "".join(f"<th>{html.escape(h)}</th>" for h in self._HEAD)
-        body = "".join("<tr>" + "".join(f"<td>{html.escape(x)}</td>" for x in r) + "</tr>"
-                       for r in self._rows())
-        return (f"<p>Prediction: {html.escape(self._title())}</p><table><thead><tr>{head}"
-                f"</tr></thead><tbody>{body}</tbody></table>")
+        return html_table(f"Prediction: {self._title()}", self._HEAD, self._rows())
 
 
 def _check_profile(profile: Any, where: str) -> Profile:

@@ -319,11 +319,16 @@ class Profile:
         return "\n".join([self._title(), *lines])
 
     def _repr_html_(self) -> str:
-        head = "".join(f"<th>{html.escape(h)}</th>" for h in self._HEAD)
-        body = "".join("<tr>" + "".join(f"<td>{html.escape(x)}</td>" for x in r) + "</tr>"
-                       for r in self._rows())
-        return (f"<p>{html.escape(self._title())}</p><table><thead><tr>{head}</tr></thead>"
-                f"<tbody>{body}</tbody></table>")
+        return html_table(self._title(), self._HEAD, self._rows())
+
+
+def html_table(title: str, head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A titled HTML table (what a Profile or Prediction shows in Jupyter)."""
+    cells = "".join(f"<th>{html.escape(h)}</th>" for h in head)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(x)}</td>" for x in r) + "</tr>"
+                   for r in rows)
+    return (f"<p>{html.escape(title)}</p><table><thead><tr>{cells}</tr></thead>"
+            f"<tbody>{body}</tbody></table>")
 
 
 def _host(address: str) -> str:
