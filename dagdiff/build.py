@@ -334,7 +334,8 @@ def build(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
         graph = assemble(pg.dsk, pg.stage_of, targets, token, priority=pg.priority,
                          direct=direct)
     else:
-        low = lower(trace, model.plan, token, inputs=inputs, devices=devices)
+        low = lower(trace, model.plan, token, inputs=inputs, devices=devices,
+                    fuse_seeded=True)
         keys = (OutKey(select(low, trace, model.loss, "loss", token)),
                 jax.tree_util.tree_map(
                     lambda v: OutKey(select(low, trace, v, "aux", token))

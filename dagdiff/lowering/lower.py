@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import numpy as np
 from dask.base import tokenize
 
-from ..core.backward import BackwardPlan, Source, Sum, Vjp
+from ..core.backward import SEED, BackwardPlan, Source, Sum, Vjp
 from ..core.keys import make_key
 from ..core.tracer import Node, Trace, Traced
 from ..runtime.tasks import fwd_task, select_task, sum_task, vjp_task
@@ -89,6 +89,7 @@ def lower(
     split_backward: bool = False,
     devices: dict[int | None, int | None] | None = None,
     accumulate: bool = False,
+    fuse_seeded: bool | Collection[int | None] = False,
 ) -> Lowered:
     """Emit the tasks of `trace` (and of `plan`, when given) into a `Lowered`.
 
@@ -99,6 +100,12 @@ def lower(
     `devices` maps stages to local JAX device indices (single-process stage pinning).
     `accumulate`: leave the parameter gradients as `GradSum` records in `grad_sums` for
     the caller to sum (a pipeline sums them over microbatches), instead of tasks.
+    `fuse_seeded`: on these stages (True: all), a call whose output cotangents are all
+    the loss's seed (the call that computes the loss) computes its backward together
+    with its forward, in one jitted call; its VJP task only hands the result on. Only for
+    a forward whose VJP runs right after it (else the parameter gradients it holds wait
+    longer than its residuals would): a step without microbatches, or a schedule that
+    runs the microbatch's backward next on that stage (`fused_microbatches`).
     """
     low = Lowered()
     inputs = inputs or {}
@@ -106,6 +113,7 @@ def lower(
     refs: dict[int, tuple[Any, int | None]] = {}
 
     has_vjp = {op.node for op in plan.ops if isinstance(op, Vjp)} if plan is not None else set()
+    seeds = _seeds(trace, plan, seed_scale, fuse_seeded)
     for node in trace.nodes:
         if node.kind != "call":
             if node.index in inputs:  # an existing key, or a Future of a resident value
@@ -120,8 +128,10 @@ def lower(
             continue
         key = make_key("F", node.name, node.index, token, node.stage, microbatch)
         srcs, vals = _args(node, refs)
+        extra = {"seed": seeds[node.index]} if node.index in seeds else {}
         low.add(key, Task(key, fwd_task, node.spec, srcs, dev(node.stage), *vals,
-                          tag=(node.stage, microbatch), vjp=node.index in has_vjp), node.stage)
+                          tag=(node.stage, microbatch), vjp=node.index in has_vjp, **extra),
+                node.stage)
         low.fwd_keys[node.index] = key
         refs[node.index] = (TaskRef(key), None)   # None: take the traced leaf of the result
     if plan is None:
@@ -144,6 +154,26 @@ def lower(
         if not accumulate:
             low.grad_keys[pnode] = low.op_keys[opi]
     return low
+
+
+def _seeds(trace: Trace, plan: BackwardPlan | None, seed_scale: float,
+           fuse: bool | Collection[int | None]) -> dict[int, tuple[Any, ...]]:
+    """Call node -> the constant cotangent of each output (None: no cotangent), for the
+    calls on `fuse`'s stages whose every cotangent is the loss's seed (see `lower`)."""
+    if plan is None or fuse is False:
+        return {}
+    out: dict[int, tuple[Any, ...]] = {}
+    for op in plan.ops:
+        if not isinstance(op, Vjp) or any(c not in (None, SEED) for c in op.cts):
+            continue
+        node = trace.nodes[op.node]
+        layer = node.spec.layer
+        if (fuse is not True and node.stage not in fuse) or node.spec.remat \
+                or getattr(layer, "custom", False) or not any(node.spec.diff):
+            continue
+        out[node.index] = tuple(None if c is None else np.asarray(seed_scale, dtype=a.dtype)
+                                for c, a in zip(op.cts, node.out_avals))
+    return out
 
 
 def _args(node: Node, refs: dict[int, tuple[Any, int]]) -> tuple[tuple[int, ...], list[Any]]:

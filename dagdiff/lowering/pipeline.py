@@ -21,7 +21,8 @@ from ..schedules import Schedule, simulate
 from .lower import Lowered, lower, select
 
 
-__all__ = ["PipelineGraph", "lower_pipeline", "order_actions", "stage_workers"]
+__all__ = ["PipelineGraph", "lower_pipeline", "order_actions", "stage_workers",
+           "fused_microbatches"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,8 @@ def lower_pipeline(trace: Trace, plan: BackwardPlan, token: str, *, microbatches
             splits[idx].append(k)
     lowered: list[Lowered] = []
     loss_keys, aux_keys = [], []
+    fused = (fused_microbatches(trace, schedule, m, stage_offset) if schedule is not None
+             else {(None, 0)} if m == 1 else set())
     prev_acc: dict[Any, str] = {}      # stage -> accumulator key of the latest microbatch
     acc_pos: dict[int, int] = {}       # param node -> position in its stage's accumulator
     acc_of: dict[int, Any] = {}        # param node -> stage of its accumulator
@@ -81,7 +84,9 @@ def lower_pipeline(trace: Trace, plan: BackwardPlan, token: str, *, microbatches
         mb_inputs.update({idx: (keys[mb], -1) for idx, keys in splits.items()})
         low = lower(trace, plan, token, microbatch=mb, inputs=mb_inputs, seed_scale=1.0 / m,
                     split_backward=bool(schedule and schedule.split_backward),
-                    devices=devices, accumulate=True)
+                    devices=devices, accumulate=True,
+                    fuse_seeded=True if (None, 0) in fused else
+                    {st for st, b in fused if b == mb})
         if mb == 0:  # params and other unsplit inputs: one data node for all microbatches
             for idx, key in low.data_keys.items():
                 shared[idx] = (key, -1)
@@ -127,11 +132,56 @@ def lower_pipeline(trace: Trace, plan: BackwardPlan, token: str, *, microbatches
         grad_keys[pn] = k
     lnode = trace.nodes[loss.node]
     loss_key = make_key("loss", lnode.name, lnode.index, token)
-    dsk[loss_key] = Task(loss_key, mean_task, *[TaskRef(k) for k in loss_keys])
+    means = [TaskRef(k) for k in loss_keys]
+    if lnode.stage is not None:
+        # the mean on the loss's stage, then the output picks it: with direct dispatch the
+        # mean is an action of that stage's program, and one small task (not m + 1)
+        # runs after the programs to hand the loss over
+        mean_key = make_key("loss", lnode.name, lnode.index, token, lnode.stage)
+        dsk[mean_key] = Task(mean_key, mean_task, *means)
+        stage_of[mean_key] = lnode.stage
+        dsk[loss_key] = Task(loss_key, select_task, -1, TaskRef(mean_key))
+    else:
+        dsk[loss_key] = Task(loss_key, mean_task, *means)
     stage_of[loss_key] = lnode.stage
     priority = (order_actions(dsk, lowered, trace, schedule, m, stage_offset)
                 if schedule is not None else {})
     return PipelineGraph(dsk, stage_of, priority, loss_key, grad_keys, aux_keys)
+
+
+def fused_microbatches(trace: Trace, schedule: Schedule, m: int,
+                       stage_offset: int = 0) -> set[tuple[int | None, int]]:
+    """The (stage, microbatch) pairs whose backward `schedule` runs right after their
+    forward on the stage's worker (F then B, or F then I then W, nothing between): there
+    the loss's call can compute its forward and backward as one (`lower`'s
+    ``fuse_seeded``). Empty when the schedule cannot run the model (`order_actions` says
+    why)."""
+    stages = {n.stage for n in trace.nodes if n.kind == "call"}
+    if None in stages or not stages:
+        return set()
+    v = schedule.virtual_stages
+    n_stages = max(stages) + 1 - stage_offset     # type: ignore[operator]
+    if n_stages % v:
+        return set()
+    p = n_stages // v
+    try:
+        layout = schedule.checked_layout(p)
+        table = schedule.table(p, m)
+    except Exception:       # a schedule that cannot run: order_actions raises the error
+        return set()
+    out: set[tuple[int | None, int]] = set()
+    for w, acts in enumerate(table):
+        for pos, act in enumerate(acts):
+            if act.kind != "F":
+                continue
+            kinds = ""
+            for a in acts[pos + 1:pos + 3]:
+                if a.microbatch != act.microbatch or a.chunk != act.chunk:
+                    break
+                kinds += a.kind
+            if kinds.startswith("B") or kinds == "IW":
+                out.add((stage_offset + layout[w][act.chunk], act.microbatch))
+    return out
 
 
 def stage_workers(schedule: Schedule, n_stages: int, replicas: int = 1) -> dict[int, int]:

@@ -16,7 +16,8 @@ __all__ = ["compiled", "track_live", "note_remat", "remat_count", "reset_remat_c
 
 
 class _Compiled:
-    """The jitted functions of one CallSpec (forward, forward+vjp, backward, remat backward)."""
+    """The jitted functions of one CallSpec (forward, forward+vjp, backward, remat backward,
+    and forward+gradients for a call whose output cotangents are known constants)."""
 
     def __init__(self, spec: CallSpec) -> None:
         diff = spec.diff
@@ -47,6 +48,11 @@ class _Compiled:
             g = pb(full_ct(cts))
             return tuple(g[i] for i in wrt)
 
+        def fwd_grad(d: Sequence[Any], nd: Sequence[Any], cts: Sequence[Any]
+                     ) -> tuple[list[Any], tuple[Any, ...]]:
+            out, pb = fwd_vjp(d, nd)
+            return out, tuple(pb(full_ct(cts)))
+
         def remat_bwd(d: Sequence[Any], nd: Sequence[Any], cts: Sequence[Any],
                       wrt: tuple[int, ...]) -> tuple[Any, ...]:
             _, pb = fwd_vjp(d, nd)
@@ -54,6 +60,7 @@ class _Compiled:
 
         self.forward = jax.jit(primal)
         self.fwd_vjp = jax.jit(fwd_vjp)
+        self.fwd_grad = jax.jit(fwd_grad)
         self.bwd = jax.jit(bwd, static_argnums=2)
         self.remat_bwd = jax.jit(remat_bwd, static_argnums=3)
 

@@ -18,31 +18,36 @@ __all__ = ["FwdResult", "fwd_task", "vjp_task", "sum_task", "slice_task", "mean_
 
 
 class FwdResult:
-    """Value of a forward task: output leaves and the pullback (None when rematerialized).
+    """Value of a forward task: output leaves and the pullback (None when rematerialized),
+    or, for a forward fused with its backward (`fwd_task`'s ``seed``), the cotangents of
+    its differentiated inputs.
 
     Pickling keeps the outputs only: a consumer on another worker needs just those,
     and a VJP task that receives a copy rebuilds the pullback from its primals.
     """
 
-    __slots__ = ("out", "pullback", "moved", "tag", "res")
+    __slots__ = ("out", "pullback", "moved", "tag", "res", "grads")
 
     def __init__(self, out: list[Any], pullback: Any, moved: bool = False,
-                 tag: tuple[Any, Any] | None = None, res: Any = None) -> None:
+                 tag: tuple[Any, Any] | None = None, res: Any = None,
+                 grads: tuple[Any, ...] | None = None) -> None:
         self.out = out
         self.pullback = pullback
         self.moved = moved
         self.tag = tag
         self.res = res          # residuals of a custom rule: plain arrays, they travel
+        self.grads = grads      # input cotangents computed with the forward (stay here)
 
     def __reduce__(self) -> Any:
         return (_arrived, (self.out, self.res))
 
     def nbytes(self) -> int:
-        leaves = jax.tree_util.tree_leaves((self.out, self.pullback, self.res))
+        leaves = jax.tree_util.tree_leaves((self.out, self.pullback, self.res, self.grads))
         return int(sum(getattr(x, "nbytes", 0) for x in leaves))
 
     def __repr__(self) -> str:
-        state = "moved" if self.moved else ("pullback" if self.pullback is not None else "primal")
+        state = "moved" if self.moved else ("pullback" if self.pullback is not None else
+                                            "gradients" if self.grads is not None else "primal")
         return f"FwdResult({len(self.out)} outputs, {state})"
 
 
@@ -81,12 +86,17 @@ def _split(spec: CallSpec, srcs: tuple[int, ...], vals: Sequence[Any],
 
 
 def fwd_task(spec: CallSpec, srcs: tuple[int, ...], dev: int | None, *vals: Any,
-             tag: tuple[Any, Any] | None = None, vjp: bool = True, **after: Any) -> FwdResult:
+             tag: tuple[Any, Any] | None = None, vjp: bool = True,
+             seed: tuple[Any, ...] | None = None, **after: Any) -> FwdResult:
     """Forward of one layer call: outputs plus the pullback (kept in this process).
 
     `dev`: local JAX device index (single-process stage pinning). `tag`: (stage,
     microbatch) for the live-pullback count. `vjp=False`: no VJP task will ask for a
-    pullback (the call does not reach the loss). `after`: ordering-only dependencies.
+    pullback (the call does not reach the loss). `seed`: the call's output cotangents
+    are these constants (the loss's seed, None for outputs without one), and its VJP
+    runs right after it: forward and backward run as one jitted call (one fused
+    ``value_and_grad``, no residuals kept) and the VJP task only hands the cotangents
+    on. `after`: ordering-only dependencies.
     """
     try:
         if getattr(spec.layer, "custom", False):
@@ -95,6 +105,10 @@ def fwd_task(spec: CallSpec, srcs: tuple[int, ...], dev: int | None, *vals: Any,
         d, nd = _split(spec, srcs, vals, _device(dev))
         if spec.remat or not d or not vjp:
             return FwdResult(jax.block_until_ready(c.forward(d, nd)), None, tag=tag)
+        if seed is not None:
+            out, grads = jax.block_until_ready(c.fwd_grad(d, nd, list(seed)))
+            track_live(tag, +1)
+            return FwdResult(out, None, tag=tag, grads=grads)
         out, pb = jax.block_until_ready(c.fwd_vjp(d, nd))   # the task ends when its work does
     except Exception as e:
         _note(e, "forward", spec, tag, vals)
@@ -139,8 +153,8 @@ def vjp_task(spec: CallSpec, srcs: tuple[int, ...], wrt: tuple[int, ...],
     except Exception as e:
         _note(e, "VJP", spec, getattr(fwd, "tag", None), vals)
         raise
-    if release and fwd.pullback is not None:
-        fwd.pullback = None
+    if release and (fwd.pullback is not None or fwd.grads is not None):
+        fwd.pullback = fwd.grads = None
         track_live(fwd.tag, -1)
     return out
 
@@ -152,6 +166,8 @@ def _vjp(spec: CallSpec, srcs: tuple[int, ...], wrt: tuple[int, ...],
     device = _device(dev)
     it = iter(vals[:n_ct])
     cts = [None if s is None else _put(_take(next(it), s), device) for s in ct_srcs]
+    if fwd.grads is not None:             # computed with the forward (`fwd_task`'s seed)
+        return tuple(_put(fwd.grads[i], device) for i in wrt)
     c = compiled(spec)
     pb = fwd.pullback
     if pb is not None:
