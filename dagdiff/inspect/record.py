@@ -18,6 +18,7 @@ from ..core.keys import key_info
 from ..errors import ArgumentError, KeyFormatError
 from ..extras import require
 from ..runtime.direct import compute_log
+from ..runtime.live import is_live_action
 
 
 __all__ = ["TaskRecord", "Recording", "record", "BubbleFraction", "PHASE_COLORS"]
@@ -264,7 +265,8 @@ def record(client: Any = None) -> Iterator[Recording]:
             yield rec
         names = slot_names(c)
         rec.worker_names = dict(names)
-        _from_stream(rec, ts.data, _worker_times(c, ts.data))
+        data = [d for d in ts.data if not is_live_action(d)]   # the programs' logs have them
+        _from_stream(rec, data, _worker_times(c, data))
         return
 
     lock = threading.Lock()

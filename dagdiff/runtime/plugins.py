@@ -1,6 +1,6 @@
 """dagdiff's Dask plugins: on the scheduler, each VJP task runs on the worker holding its
-forward's pullback; on every worker, dagdiff is loaded and its direct-dispatch runtime
-installed.
+forward's pullback (and direct-dispatch actions reach the task stream, `LiveActions`); on
+every worker, dagdiff is loaded and its direct-dispatch runtime installed.
 
 Pullbacks are unpicklable, so a VJP task placed elsewhere has to rematerialize. When a
 forward task's result lands in memory, the plugin restricts that forward's VJP tasks
@@ -20,6 +20,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 
 from ..core.keys import is_backward_of, is_forward
 from .direct import install
+from .live import LiveActions
 from .serialize import register
 
 
@@ -130,20 +131,22 @@ def _keep_forward_replicas(scheduler: Any) -> None:
             log.info("dagdiff: removed the AMM ReduceReplicas policy (keeps pullbacks local)")
 
 
-def _has_plugin(dask_scheduler: Any = None) -> bool:
-    return ColocateVJP.name in dask_scheduler.plugins
+def _missing_plugins(names: list[str], dask_scheduler: Any = None) -> list[str]:
+    return [n for n in names if n not in dask_scheduler.plugins]
 
 
 def ensure_colocation(client: Any) -> bool:
-    """Register `ColocateVJP` on `client`'s scheduler and `LoadDagdiff` on its workers, once
-    per client; False if that is impossible."""
+    """Register `ColocateVJP` and `LiveActions` (direct-dispatch actions in the dashboard)
+    on `client`'s scheduler and `LoadDagdiff` on its workers, once per client; False if
+    that is impossible."""
     if client in _registered:
         return True
     try:
         if getattr(client, "asynchronous", False):
             return False
-        if not client.run_on_scheduler(_has_plugin):
-            client.register_plugin(ColocateVJP(), name=ColocateVJP.name)
+        plugins = {p.name: p for p in (ColocateVJP(), LiveActions())}
+        for name in client.run_on_scheduler(_missing_plugins, list(plugins)):
+            client.register_plugin(plugins[name], name=name)
         client.register_plugin(LoadDagdiff(), name=LoadDagdiff.name)
     except Exception as e:  # e.g. dagdiff not installed where the scheduler runs
         log.warning("dagdiff: could not register the VJP colocation plugin (%s); VJP tasks "

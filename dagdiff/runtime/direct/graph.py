@@ -8,6 +8,7 @@ from typing import Any, Collection, Mapping
 
 from ...core.keys import make_key, sanitize
 from ...errors import PlacementError
+from ..live import enabled as live_actions
 from ..tasks import leaves_read
 from ..taskspec import DataNode, Task, TaskRef
 from .plan import plan_programs
@@ -55,9 +56,12 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
     when any program of the step fails.
 
     `worker_of`: key -> slot name (or address when `slots` is False); `priority`: the
-    schedule's priorities; `addresses`: slot -> worker address."""
+    schedule's priorities; `addresses`: slot -> worker address. The programs report
+    their actions to the dashboard's Task Stream unless dask config
+    ``dagdiff.dashboard.live-actions`` is False now (`dagdiff.runtime.live`)."""
     if timeout is None:
         timeout = _timeout()
+    live = live_actions()
     dsk = dict(dsk)
     keep = set(keep)
     tasks = {k for k, t in dsk.items() if isinstance(t, Task)}
@@ -102,7 +106,7 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
                                         for c in pa.remote), pa.export))
         pk = make_key("program", sanitize(w), i, token)
         prog = Program(pk, step, w, addr(w), tuple(actions), pp.statics, timeout,
-                       tuple(m for m in members_all if m[0] != w))
+                       tuple(m for m in members_all if m[0] != w), live)
         args: list[Any] = []
         for s in pp.statics:
             node = dsk.get(s)

@@ -29,6 +29,7 @@ from distributed.comm import connect
 from distributed.metrics import time as now
 
 from ...errors import DirectDispatchError, UpstreamError
+from ..live import ActionReporter
 from ..taskspec import Task
 from .messages import End, Failure, Message, Value, pack
 from .transport import STATUS_OP, DecodeError, Transport
@@ -88,6 +89,8 @@ class Program:
     timeout: float
     #: (where, address) of the step's other programs (the closing exchange, probes)
     members: tuple[tuple[str, str], ...] = ()
+    #: report each finished action to the scheduler, for the dashboard (`dagdiff.runtime.live`)
+    live: bool = False
 
     def address_of(self, where: str) -> str:
         for w, address in self.members:
@@ -242,6 +245,7 @@ class DirectRuntime:
         local: dict[str, list[Any]] = {}               # key -> [value, uses left]
         exports: dict[str, Any] = {}
         failure: BaseException | None = None
+        live = ActionReporter(self.worker, prog.key) if prog.live else None
         try:
             for a in prog.actions:
                 if failure is None:
@@ -257,6 +261,8 @@ class DirectRuntime:
                         t1 = now()
                         del values
                         self.log.append((a.key, t0, t1, prog.key, number))
+                        if live is not None:
+                            live.add(a.key, t0, t1)
                         if a.local:
                             local[a.key] = [out, a.local]
                         if a.export:
@@ -270,6 +276,8 @@ class DirectRuntime:
                 self._send_error(st, prog, run, a, failure)
             failure = self._close(st, prog, run, failure)
         finally:
+            if live is not None:
+                live.flush()
             self._running.pop(prog.key, None)
             self._finish(run, "ended" if failure is None else "failed")
         if failure is not None:
