@@ -10,6 +10,10 @@ Systems (--systems, default all that are installed):
                  `dd.local_cluster(2)` (direct dispatch); the step is trace + build + compute
                  of the loss and every gradient leaf; the grads stay on the workers as futures
   dagdiff-adam   `dd.Trainer(loss_fn, optax.adam(1e-3), ...)`: `trainer.step` + loss.result()
+  dagdiff-unfused  the `dagdiff` row with dask config dagdiff.fuse-loss-backward off (the
+                 last stage's forward and backward as two jitted calls, as before 2026-12-01)
+  dagdiff-fit    the same Trainer's own loop, `trainer.fit(batches)` (steps submitted ahead):
+                 per step = the fit's time / its steps (median of 3 fits after a warm-up fit)
   torch          torch.distributed.pipelining `Schedule1F1B`, 2 gloo processes
                  (torch.multiprocessing), 1 thread each; the loss stays on the last rank
   torch-gpipe    the same with `ScheduleGPipe`
@@ -44,7 +48,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-SYSTEMS = ("jax", "jax-adam", "torch", "torch-gpipe", "torch-adam", "dagdiff", "dagdiff-adam")
+SYSTEMS = ("jax", "jax-adam", "torch", "torch-gpipe", "torch-adam", "dagdiff", "dagdiff-unfused",
+           "dagdiff-adam", "dagdiff-fit")
 TOP_PAD = "67108864"
 TRIM = "MALLOC_TRIM_THRESHOLD_"
 MALLOC_CHOICES = ("default", "distributed", "unset")
@@ -338,6 +343,30 @@ def run_dagdiff_adam(client: Any, cfg: Cfg, schedule: str) -> Result:
     return Result(times, first)
 
 
+def run_dagdiff_fit(client: Any, cfg: Cfg, schedule: str) -> Result:
+    """dd.Trainer.fit with optax.adam over the steps (it submits steps ahead, so one step's
+    start overlaps the previous one's end): the time per step of the whole fit, after a
+    warm-up fit; each entry of `times` is one fit's total / its steps."""
+    import jax.numpy as jnp
+    import optax
+
+    import dagdiff as dd
+
+    params_np, batches_np = make_data(cfg)
+    params = [{"w": jnp.asarray(w), "b": jnp.asarray(b)} for w, b in params_np]
+    batches = [(jnp.asarray(x), jnp.asarray(t)) for x, t in batches_np]
+    tr = dd.Trainer(_dd_loss, optax.adam(1e-3), microbatches=cfg.microbatches,
+                    schedule=schedule, client=client)
+    state, losses = tr.fit(batches[:cfg.warmup], params=params, progress=False)
+    first = float(losses[0])
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        tr.fit(batches[cfg.warmup:], state=state, progress=False)
+        times.append((time.perf_counter() - t0) / cfg.steps)
+    return Result(times, first)
+
+
 # --------------------------------------------------------------------------------- main
 
 def main() -> None:
@@ -398,9 +427,17 @@ def main() -> None:
                 if s == "dagdiff":
                     res[s] = run_dagdiff(client, cfg, a.schedule)
                     show(s, f"dagdiff value_and_grad {a.schedule}, 2 workers")
-                else:
+                elif s == "dagdiff-unfused":
+                    import dask
+                    with dask.config.set({"dagdiff.fuse-loss-backward": False}):
+                        res[s] = run_dagdiff(client, cfg, a.schedule)
+                    show(s, "  the same, loss stage's F and B unfused")
+                elif s == "dagdiff-adam":
                     res[s] = run_dagdiff_adam(client, cfg, a.schedule)
                     show(s, f"dagdiff Trainer {a.schedule} + optax adam, 2 workers")
+                else:
+                    res[s] = run_dagdiff_fit(client, cfg, a.schedule)
+                    show(s, f"dagdiff Trainer.fit {a.schedule} + adam (per step, 3 fits)")
             probe = client.run(_worker_probe)
             print(f"  dagdiff workers (--malloc {a.malloc}, --xla {a.xla}"
                   f"{', pinned' if a.pin else ''}):")
@@ -415,8 +452,10 @@ def main() -> None:
     for dd_row, peer, label in (("dagdiff", "torch", "dagdiff / torch 1F1B"),
                                 ("dagdiff", "torch-gpipe", "dagdiff / torch GPipe"),
                                 ("dagdiff", "jax", "dagdiff / jax.jit"),
+                                ("dagdiff", "dagdiff-unfused", "dagdiff / dagdiff unfused"),
                                 ("dagdiff-adam", "torch-adam", "dagdiff Trainer / torch + Adam"),
-                                ("dagdiff-adam", "jax-adam", "dagdiff Trainer / jax.jit + adam")):
+                                ("dagdiff-adam", "jax-adam", "dagdiff Trainer / jax.jit + adam"),
+                                ("dagdiff-fit", "torch-adam", "dagdiff fit / torch + Adam")):
         if dd_row in res and peer in res:
             print(f"  {label:<34} {res[dd_row].median / res[peer].median:6.2f}")
 

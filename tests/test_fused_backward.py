@@ -54,6 +54,8 @@ def test_only_the_calls_that_make_the_loss_fuse_and_only_where_adjacent() -> Non
     plain = seeded(fn, args)
     assert len(plain) == 1 and plain[0].startswith("fwd_mse"), plain
     assert len(seeded(fn, args, fuse=True)) == 1
+    with dask.config.set({"dagdiff.fuse-loss-backward": False}):
+        assert seeded(fn, args, microbatches=4, schedule="1f1b") == seeded(fn, args) == []
 
 
 @pytest.mark.parametrize("options", [

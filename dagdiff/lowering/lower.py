@@ -10,6 +10,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection
 
+import dask
 import numpy as np
 from dask.base import tokenize
 
@@ -105,7 +106,8 @@ def lower(
     with its forward, in one jitted call; its VJP task only hands the result on. Only for
     a forward whose VJP runs right after it (else the parameter gradients it holds wait
     longer than its residuals would): a step without microbatches, or a schedule that
-    runs the microbatch's backward next on that stage (`fused_microbatches`).
+    runs the microbatch's backward next on that stage (`fused_microbatches`). Dask config
+    ``dagdiff.fuse-loss-backward: false`` (read when a step is built) turns it off.
     """
     low = Lowered()
     inputs = inputs or {}
@@ -160,7 +162,7 @@ def _seeds(trace: Trace, plan: BackwardPlan | None, seed_scale: float,
            fuse: bool | Collection[int | None]) -> dict[int, tuple[Any, ...]]:
     """Call node -> the constant cotangent of each output (None: no cotangent), for the
     calls on `fuse`'s stages whose every cotangent is the loss's seed (see `lower`)."""
-    if plan is None or fuse is False:
+    if plan is None or fuse is False or not dask.config.get("dagdiff.fuse-loss-backward", True):
         return {}
     out: dict[int, tuple[Any, ...]] = {}
     for op in plan.ops:
