@@ -30,9 +30,10 @@ import dagdiff as dd
 from common import two_stage_loss as loss_fn
 
 
-def alone(width: int, rows: int, last: bool, n: int = 15) -> tuple[float, float]:
-    """Median seconds of a 4-layer stage's `jax.vjp` forward and of its pullback, jitted,
-    on this worker (`last`: the stage that ends in the loss)."""
+def alone(width: int, rows: int, last: bool, n: int = 15) -> tuple[float, float, float]:
+    """Median seconds of a 4-layer stage's `jax.vjp` forward, of its pullback, and of both
+    in one jitted call (what dagdiff runs for the loss's stage under 1F1B), on this worker
+    (`last`: the stage that ends in the loss)."""
     rng = np.random.default_rng(0)
     ps = [{"w": jnp.asarray(rng.standard_normal((width, width), dtype=np.float32) / 32),
            "b": jnp.zeros(width, jnp.float32)} for _ in range(4)]
@@ -46,17 +47,26 @@ def alone(width: int, rows: int, last: bool, n: int = 15) -> tuple[float, float]
 
     fwd = jax.jit(lambda ps, x: jax.vjp(stage, ps, x))
     bwd = jax.jit(lambda pb, ct: pb(ct))
-    fs, bs = [], []
+
+    def both(ps: Any, x: Any) -> Any:
+        out, pb = jax.vjp(stage, ps, x)
+        return out, pb(jnp.ones_like(out))
+
+    fused = jax.jit(both)
+    fs, bs, fbs = [], [], []
     for i in range(n + 2):
         t0 = time.perf_counter()
         out, pb = jax.block_until_ready(fwd(ps, x))
         t1 = time.perf_counter()
         jax.block_until_ready(bwd(pb, jnp.ones_like(out)))
         t2 = time.perf_counter()
+        jax.block_until_ready(fused(ps, x))
+        t3 = time.perf_counter()
         if i >= 2:
             fs.append(t1 - t0)
             bs.append(t2 - t1)
-    return statistics.median(fs), statistics.median(bs)
+            fbs.append(t3 - t2)
+    return statistics.median(fs), statistics.median(bs), statistics.median(fbs)
 
 
 def main() -> None:
@@ -102,7 +112,7 @@ def main() -> None:
     print(f"schedule makespan {1e3 * span:.0f} ms (first to last F/B action)")
     order = sorted(slots.items(), key=lambda kv: kv[1])
 
-    def time_alone(together: bool) -> dict[str, tuple[float, float]]:
+    def time_alone(together: bool) -> dict[str, tuple[float, float, float]]:
         """`alone` on each worker: one after the other (the other worker idle), or on
         both at once (each with the other core busy, as in a pipelined step)."""
         out = {}
@@ -118,7 +128,8 @@ def main() -> None:
     print("alone: the same stage in plain jax.jit on that worker, the other worker idle "
           "(idle) or timing its stage at the same moment (both)")
     print(f"{'stage':>5} {'worker':>7} {'F action':>9} {'idle':>7} {'both':>7} {'ratio':>6} "
-          f"{'B action':>9} {'idle':>7} {'both':>7} {'ratio':>6} {'busy':>6}")
+          f"{'B action':>9} {'idle':>7} {'both':>7} {'ratio':>6} {'F+B':>7} {'both':>7} "
+          f"{'ratio':>6} {'busy':>6}")
     for addr, slot in order:
         stage = int(slot[4:])
         mine = [r for r in rec.tasks if r.worker == addr and r.phase in ("F", "B")]
@@ -126,11 +137,18 @@ def main() -> None:
         b = statistics.median(r.stop - r.start for r in mine if r.phase == "B")
         busy = sum(r.stop - r.start for r in rec.tasks if r.worker == addr
                    and r.phase not in ("transfer",))
-        (fi, bi), (fb, bb) = idle[addr], both[addr]
+        (fi, bi, _), (fb, bb, fused) = idle[addr], both[addr]
+        # a stage whose F action also ran its backward (the loss's stage under 1F1B: its
+        # B action only hands the cotangents on) is compared with the fused reference
+        fused_here = b < 0.1 * f
+        ref = fused if fused_here else fb + bb
         print(f"{stage:>5} {slot:>7} {1e3 * f:>7.1f}ms {1e3 * fi:>5.1f}ms {1e3 * fb:>5.1f}ms "
               f"{f / fb:>6.2f} {1e3 * b:>7.1f}ms {1e3 * bi:>5.1f}ms {1e3 * bb:>5.1f}ms "
-              f"{b / bb:>6.2f} {1e3 * busy:>4.0f}ms")
-    print("ratio: action / both (the fair reference when both workers compute at once)")
+              f"{b / bb:>6.2f} {1e3 * (f + b):>5.1f}ms {1e3 * ref:>5.1f}ms {(f + b) / ref:>6.2f}"
+              f"{'*' if fused_here else ' '} {1e3 * busy:>4.0f}ms")
+    print("ratio: action / both (the fair reference when both workers compute at once); "
+          "F+B: one microbatch's forward and backward actions against the same stage alone "
+          "(* the F action ran the backward too: against one jitted forward+backward)")
     client.close()
     cluster.close()
 

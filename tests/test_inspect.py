@@ -193,3 +193,24 @@ def test_notebook_runs(name: str, tmp_path: Any, monkeypatch: Any) -> None:
     # a cell that hangs fails here (naming the cell) before pytest-timeout's 300 s
     NotebookClient(nb, timeout=240, kernel_name="python3",
                    resources={"metadata": {"path": str(tmp_path)}}).execute()
+
+
+@pytest.mark.distributed
+def test_record_of_a_cluster_uses_its_current_client_or_says_to_make_one(client2: Any) -> None:
+    """dd.record(cluster) (what `dd.local_cluster()` returns) records through the cluster's
+    current client; with none current it names the fix instead of a TypeError."""
+    params, x, t = data(2, batch=8)
+    with client2.as_current():
+        loss, grads = dd.value_and_grad(make_loss(2), microbatches=2, schedule="1f1b")(
+            params, x, t)
+        with dd.record(client2.cluster) as rec:
+            client2.compute([loss, grads], sync=True)
+    assert len([r for r in rec.tasks if r.phase in ("F", "B")]) == 2 * 2 * 2
+
+    class Elsewhere:
+        scheduler_address = "tcp://10.0.0.1:8786"
+        scheduler_info = None
+
+    with pytest.raises(dd.ArgumentError, match=r"Client\(cluster\)"):
+        with dd.record(Elsewhere()):
+            pass

@@ -256,6 +256,8 @@ def record(client: Any = None) -> Iterator[Recording]:
     Dask local-scheduler callback (rows are the scheduler's threads). Collect results
     inside the block (``dask.compute``, ``client.compute(...).result()``)."""
     c = client if client is not None else current_client()
+    if c is not None and not hasattr(c, "submit") and hasattr(c, "scheduler_address"):
+        c = _client_of(c)               # a cluster (dd.local_cluster()): its client
     if c is not None and not hasattr(c, "scheduler_info"):
         raise ArgumentError(f"dd.record takes a distributed Client (or nothing: the current one), "
                             f"got {type(c).__name__} {c!r}; e.g. dd.record(Client(address))")
@@ -303,6 +305,18 @@ def _worker_times(client: Any, data: list[dict[str, Any]]) -> dict[str, dict[str
         return client.run(compute_log, keys)
     except Exception:                  # a worker went away: keep the stream's times
         return {}
+
+
+def _client_of(cluster: Any) -> Any:
+    """The current client of `cluster`, or an `ArgumentError` saying to make one."""
+    cur = current_client()
+    address = getattr(getattr(cur, "scheduler", None), "address", None)
+    if cur is not None and address == cluster.scheduler_address:
+        return cur
+    raise ArgumentError(
+        f"dd.record takes a distributed Client, got the cluster {type(cluster).__name__} at "
+        f"{cluster.scheduler_address} and no client of it is current; pass its client: "
+        "client = distributed.Client(cluster); dd.record(client)")
 
 
 def _from_stream(rec: Recording, data: list[dict[str, Any]],
