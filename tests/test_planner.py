@@ -409,3 +409,18 @@ def test_profile_options_fail_at_once() -> None:
         dd.profile(staged_loss, microbatches=2, client=object())(M.init_dense(KEY, [4, 4, 4]),
                                                                  np.ones((4, 4), np.float32),
                                                                  np.ones((4, 4), np.float32))
+
+
+@pytest.mark.distributed
+def test_profile_times_the_loss_stage_forward_and_backward_apart(client2: Any) -> None:
+    """1F1B runs the loss stage's forward and backward as one call; the profile must still
+    see them apart (sleep stages: F 10 ms, B = I + W 20 ms), or predictions for other
+    schedules would move the last stage's backward into its forwards."""
+    from dagdiff.examples.simulated import sleepy_pipeline
+
+    fn = sleepy_pipeline(2, 0.01)
+    params = [np.float32(1.0)] * 3
+    prof = dd.profile(fn, microbatches=4, schedules=("1f1b",), client=client2, steps=2,
+                      bandwidth=False)(params, np.ones((8, 8), np.float32))
+    last = prof.stages[1]
+    assert last.samples >= 8 and last.b > 1.2 * last.f, last   # fused: B ~0, F ~3x

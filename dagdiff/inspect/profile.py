@@ -11,6 +11,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
+import dask
 import jax
 import numpy as np
 from distributed.comm.addressing import get_address_host
@@ -684,7 +685,11 @@ def profile(fn: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: b
         runs: list[tuple[Recording, Build]] = []
         walls: list[float] = []
         for sched in scheds:
-            b = build(fn, args, kwargs, options(sched), c)
+            # forwards and backwards timed apart: with the loss's backward fused into its
+            # forward (`lower`'s fuse_seeded, under 1F1B) the last stage's B would read ~0
+            # and F would hold both, which predictions for other schedules cannot split
+            with dask.config.set({"dagdiff.fuse-loss-backward": False}):
+                b = build(fn, args, kwargs, options(sched), c)
             loss, grads = b.outputs()
             for k in range(warmup + steps):
                 if k < warmup:
