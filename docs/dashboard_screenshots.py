@@ -174,6 +174,7 @@ def main() -> None:
     thread = threading.Thread(target=train, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{a.port}"
+    os.makedirs(a.out, exist_ok=True)
     t0 = time.time()
     try:
         time.sleep(a.seconds * 0.6)                    # past compiling: steady training
