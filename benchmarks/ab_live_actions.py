@@ -18,15 +18,13 @@ import time
 from typing import Any
 
 import dask
-import jax
-import jax.numpy as jnp
 import msgpack
 import optax
 from distributed import Client
 from distributed.diagnostics.task_stream import TaskStreamPlugin
 
 import dagdiff as dd
-from common import two_stage_loss as loss_fn
+from common import mlp_data, two_stage_loss as loss_fn
 from dagdiff.runtime.live import TOPIC, ActionReporter, LiveActions
 
 
@@ -36,12 +34,7 @@ def _keep_task_stream(dask_scheduler: Any = None) -> None:
 
 
 def fit_rounds(a: Any) -> None:
-    key = jax.random.PRNGKey(0)
-    params = [{"w": jax.random.normal(jax.random.fold_in(key, i), (a.width, a.width))
-               / a.width**0.5, "b": jnp.zeros(a.width)} for i in range(4)]
-    batches = [(jax.random.normal(jax.random.fold_in(key, 10 + i), (a.batch, a.width)),
-                jax.random.normal(jax.random.fold_in(key, 99 + i), (a.batch, a.width)))
-               for i in range(4)]
+    params, batches = mlp_data(a.width, a.batch)
     cluster = dd.local_cluster(n_workers=2, dashboard_address=None, quiet=True,
                                env={"XLA_FLAGS": ""})
     client = Client(cluster)

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 import dagdiff as dd
 
-__all__ = ["dense", "mse", "two_stage_loss"]
+__all__ = ["dense", "mse", "two_stage_loss", "mlp_data"]
 
 
 @dd.layer
@@ -28,3 +29,15 @@ def two_stage_loss(params: Any, x: Any, t: Any) -> Any:
             h = dense(p, h)
     with dd.stage(1):
         return mse(h, t)
+
+
+def mlp_data(width: int, batch: int, layers: int = 4, batches: int = 4) -> tuple[Any, Any]:
+    """(params, batches): `layers` dense layers `width` wide (w scaled by 1/sqrt(width)) and
+    `batches` (x, t) pairs of `batch` rows, from fixed keys."""
+    key = jax.random.PRNGKey(0)
+    params = [{"w": jax.random.normal(jax.random.fold_in(key, i), (width, width))
+               / width**0.5, "b": jnp.zeros(width)} for i in range(layers)]
+    data = [(jax.random.normal(jax.random.fold_in(key, 10 + i), (batch, width)),
+             jax.random.normal(jax.random.fold_in(key, 99 + i), (batch, width)))
+            for i in range(batches)]
+    return params, data

@@ -74,8 +74,11 @@ def lower_pipeline(trace: Trace, plan: BackwardPlan, token: str, *, microbatches
             splits[idx].append(k)
     lowered: list[Lowered] = []
     loss_keys, aux_keys = [], []
-    fused = (fused_microbatches(trace, schedule, m, stage_offset) if schedule is not None
-             else {(None, 0)} if m == 1 else set())
+    # the loss's backward inside its forward: where the schedule runs them back to back;
+    # without a schedule only when there is one microbatch (nothing can run between)
+    fused = fused_microbatches(trace, schedule, m, stage_offset) if schedule is not None \
+        else set()
+    fuse_all = schedule is None and m == 1
     prev_acc: dict[Any, str] = {}      # stage -> accumulator key of the latest microbatch
     acc_pos: dict[int, int] = {}       # param node -> position in its stage's accumulator
     acc_of: dict[int, Any] = {}        # param node -> stage of its accumulator
@@ -85,8 +88,7 @@ def lower_pipeline(trace: Trace, plan: BackwardPlan, token: str, *, microbatches
         low = lower(trace, plan, token, microbatch=mb, inputs=mb_inputs, seed_scale=1.0 / m,
                     split_backward=bool(schedule and schedule.split_backward),
                     devices=devices, accumulate=True,
-                    fuse_seeded=True if (None, 0) in fused else
-                    {st for st, b in fused if b == mb})
+                    fuse_seeded=fuse_all or {st for st, b in fused if b == mb})
         if mb == 0:  # params and other unsplit inputs: one data node for all microbatches
             for idx, key in low.data_keys.items():
                 shared[idx] = (key, -1)
