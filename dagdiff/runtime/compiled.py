@@ -33,6 +33,23 @@ class _Compiled:
         def fwd_vjp(d: Sequence[Any], nd: Sequence[Any]) -> Any:
             return jax.vjp(lambda *dd: primal(dd, nd), *d)
 
+        def fwd_res(d: Sequence[Any], nd: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+            # the pullback's residuals, less those that are the call's own inputs (a
+            # dense layer's weights): a jitted function copies every output, inputs too
+            out, pb = fwd_vjp(d, nd)
+            leaves, treedef = jax.tree_util.tree_flatten(pb)
+            ins = [*jax.tree_util.tree_leaves(d), *jax.tree_util.tree_leaves(nd)]
+            where, kept = [], []
+            for leaf in leaves:
+                i = next((i for i, a in enumerate(ins) if a is leaf), None)
+                if i is None:
+                    where.append(-1 - len(kept))
+                    kept.append(leaf)
+                else:
+                    where.append(i)
+            self._layout[_signature(d, nd)] = (treedef, tuple(where))
+            return out, kept
+
         def full_ct(cts: Sequence[Any]) -> list[Any]:
             out = []
             for c, a in zip(cts, out_avals):
@@ -58,11 +75,37 @@ class _Compiled:
             _, pb = fwd_vjp(d, nd)
             return bwd(pb, cts, wrt)
 
+        self._layout: dict[Any, tuple[Any, tuple[int, ...]]] = {}
+        self._unmatched: set[Any] = set()
+        self._fwd_res = jax.jit(fwd_res)
+        self._fwd_vjp = jax.jit(fwd_vjp)
         self.forward = jax.jit(primal)
-        self.fwd_vjp = jax.jit(fwd_vjp)
         self.fwd_grad = jax.jit(fwd_grad)
         self.bwd = jax.jit(bwd, static_argnums=2)
         self.remat_bwd = jax.jit(remat_bwd, static_argnums=3)
+
+
+    def fwd_vjp(self, d: Sequence[Any], nd: Sequence[Any]) -> tuple[list[Any], Any]:
+        """Outputs and pullback of the call (`jax.vjp` under jit), the pullback rebuilt
+        around the residuals that are the call's inputs, which are not copied."""
+        key = _signature(d, nd)
+        if key in self._unmatched:
+            return self._fwd_vjp(d, nd)
+        out, kept = self._fwd_res(d, nd)
+        layout = self._layout.get(key)
+        if layout is None:       # inputs whose abstract values differ inside the trace
+            self._unmatched.add(key)
+            return self._fwd_vjp(d, nd)
+        treedef, where = layout
+        ins = [*jax.tree_util.tree_leaves(d), *jax.tree_util.tree_leaves(nd)]
+        leaves = [ins[i] if i >= 0 else kept[-1 - i] for i in where]
+        return out, jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _signature(d: Sequence[Any], nd: Sequence[Any]) -> tuple[Any, ...]:
+    """The arguments' structure, shapes and dtypes, the same outside a trace and in it."""
+    leaves, treedef = jax.tree_util.tree_flatten((d, nd))
+    return (treedef, *((getattr(x, "shape", None), getattr(x, "dtype", None)) for x in leaves))
 
 
 _CACHE: dict[str, _Compiled] = {}
