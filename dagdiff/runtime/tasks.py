@@ -14,7 +14,7 @@ from .taskspec import TaskRef
 
 
 __all__ = ["FwdResult", "fwd_task", "vjp_task", "sum_task", "slice_task", "mean_task",
-           "acc_task", "select_task", "leaves_read"]
+           "acc_task", "select_task", "leaves_read", "host_view"]
 
 
 class FwdResult:
@@ -53,6 +53,19 @@ class FwdResult:
 
 def _arrived(out: list[Any], res: Any = None) -> FwdResult:
     return FwdResult(out, None, moved=True, res=res)
+
+
+def host_view(x: Any) -> Any:
+    """What a graph embeds of an input value: a CPU jax array as its NumPy view (no copy),
+    which pickle sends as an out-of-band buffer and which no process on its way (the
+    scheduler) rebuilds as a jax array; anything else (GPU arrays too) as it is."""
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+        try:
+            if all(d.platform == "cpu" for d in x.devices()):
+                return np.asarray(x)
+        except Exception:                      # noqa: BLE001 - deleted or abstract arrays
+            return x
+    return x
 
 
 def _take(value: Any, src: int) -> Any:
