@@ -30,11 +30,12 @@ flags dagdiff used to set (--xla_cpu_multi_thread_eigen=false intra_op_paralleli
 --pin: pin worker i and all its threads to core i before the first step.
 Also prints each dagdiff worker's RSS after its steps. torch is optional
 (`pip install torch`); without it the torch rows are skipped with a message.
-Times on a shared machine are noisy: compare the ratios of one run.
+Times on a shared machine are noisy: compare the ratios of one run; --rounds N runs the
+systems N times in turn and prints the median of the rounds' ratios with each round's.
 Usage: python benchmarks/bench_peers.py [--width 1024] [--batch 512] [--microbatches 8]
        [--layers 8] [--schedule 1f1b|gpipe|zb-h1] [--steps 6] [--warmup 2]
        [--systems dagdiff torch jax ...]
-       [--malloc default|distributed|unset] [--xla default|eigen-off] [--pin]
+       [--malloc default|distributed|unset] [--xla default|eigen-off] [--pin] [--rounds 1]
 """
 from __future__ import annotations
 
@@ -380,6 +381,9 @@ def main() -> None:
                     help="dagdiff's schedule (torch runs 1F1B and GPipe)")
     ap.add_argument("--steps", type=int, default=6, help="measured steps (median)")
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the systems this many times in turn (one dagdiff cluster); "
+                         "ratios: the median of each round's ratio (a noisy machine drifts)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     ap.add_argument("--malloc", default="default", choices=MALLOC_CHOICES,
@@ -402,29 +406,34 @@ def main() -> None:
     print(f"MLP {a.layers} x {a.width} tanh, batch {a.batch}, 2 stages x {a.layers // 2} "
           f"layers, {a.microbatches} microbatches; median of {a.steps} steps after "
           f"{a.warmup} warm-ups; {os.cpu_count()} cores")
+    rounds: list[dict[str, Result]] = []
     res: dict[str, Result] = {}
 
     def show(name: str, what: str) -> None:
         r = res[name]
-        print(f"  {what:<52} {r.median * 1e3:8.1f} ms  (min {min(r.times) * 1e3:.1f}, "
+        tag = f"[{len(rounds)}] " if a.rounds > 1 else ""
+        print(f"  {tag}{what:<52} {r.median * 1e3:8.1f} ms  (min {min(r.times) * 1e3:.1f}, "
               f"max {max(r.times) * 1e3:.1f}; loss {r.loss:.6f})", flush=True)
 
-    for s in systems:
-        if s.startswith("jax"):
-            res[s] = run_jax(cfg, adam=s == "jax-adam")
-            show(s, "jax.jit(value_and_grad), 1 process" + (" + optax adam"
-                                                            if s == "jax-adam" else ""))
-        elif s.startswith("torch"):
-            sch = "gpipe" if s == "torch-gpipe" else "1f1b"
-            res[s] = run_torch(cfg, sch, adam=s == "torch-adam", env=_ENV0)
-            show(s, f"torch pipelining {'GPipe' if sch == 'gpipe' else '1F1B'}, 2 gloo ranks"
-                 + (" + Adam" if s == "torch-adam" else ""))
     dds = [s for s in systems if s.startswith("dagdiff")]
+    cluster = client = None
     if dds:
         cluster, client = start_cluster(a.malloc, a.xla, a.pin)
-        try:
-            for s in dds:
-                if s == "dagdiff":
+    try:
+        for _ in range(a.rounds):
+            res = {}
+            rounds.append(res)
+            for s in systems:
+                if s.startswith("jax"):
+                    res[s] = run_jax(cfg, adam=s == "jax-adam")
+                    show(s, "jax.jit(value_and_grad), 1 process" + (" + optax adam"
+                                                                    if s == "jax-adam" else ""))
+                elif s.startswith("torch"):
+                    sch = "gpipe" if s == "torch-gpipe" else "1f1b"
+                    res[s] = run_torch(cfg, sch, adam=s == "torch-adam", env=_ENV0)
+                    show(s, f"torch pipelining {'GPipe' if sch == 'gpipe' else '1F1B'}, 2 gloo "
+                         "ranks" + (" + Adam" if s == "torch-adam" else ""))
+                elif s == "dagdiff":
                     res[s] = run_dagdiff(client, cfg, a.schedule)
                     show(s, f"dagdiff value_and_grad {a.schedule}, 2 workers")
                 elif s == "dagdiff-unfused":
@@ -438,6 +447,7 @@ def main() -> None:
                 else:
                     res[s] = run_dagdiff_fit(client, cfg, a.schedule)
                     show(s, f"dagdiff Trainer.fit {a.schedule} + adam (per step, 3 fits)")
+        if client is not None:
             probe = client.run(_worker_probe)
             print(f"  dagdiff workers (--malloc {a.malloc}, --xla {a.xla}"
                   f"{', pinned' if a.pin else ''}):")
@@ -445,10 +455,12 @@ def main() -> None:
                 print(f"    {addr}: RSS {p['rss_mb']:.0f} MB (peak {p['hwm_mb']:.0f}), "
                       f"{p['threads']} threads, cores {p['affinity']}, {TRIM}={p['trim']}, "
                       f"MALLOC_TOP_PAD_={p['top_pad']}, XLA_FLAGS={p['xla']!r}")
-        finally:
+    finally:
+        if client is not None:
             client.close()
             cluster.close()
-    print("ratios (median step time):")
+    print("ratios (median step time" + (f"; median over {a.rounds} rounds, each round's "
+                                        "ratio in brackets)" if a.rounds > 1 else "):"))
     for dd_row, peer, label in (("dagdiff", "torch", "dagdiff / torch 1F1B"),
                                 ("dagdiff", "torch-gpipe", "dagdiff / torch GPipe"),
                                 ("dagdiff", "jax", "dagdiff / jax.jit"),
@@ -456,8 +468,10 @@ def main() -> None:
                                 ("dagdiff-adam", "torch-adam", "dagdiff Trainer / torch + Adam"),
                                 ("dagdiff-adam", "jax-adam", "dagdiff Trainer / jax.jit + adam"),
                                 ("dagdiff-fit", "torch-adam", "dagdiff fit / torch + Adam")):
-        if dd_row in res and peer in res:
-            print(f"  {label:<34} {res[dd_row].median / res[peer].median:6.2f}")
+        ratios = [r[dd_row].median / r[peer].median for r in rounds if dd_row in r and peer in r]
+        if ratios:
+            each = (" [" + ", ".join(f"{x:.2f}" for x in ratios) + "]") if len(ratios) > 1 else ""
+            print(f"  {label:<34} {statistics.median(ratios):6.2f}{each}")
 
 
 if __name__ == "__main__":

@@ -84,7 +84,6 @@ class _Compiled:
         self.bwd = jax.jit(bwd, static_argnums=2)
         self.remat_bwd = jax.jit(remat_bwd, static_argnums=3)
 
-
     def fwd_vjp(self, d: Sequence[Any], nd: Sequence[Any]) -> tuple[list[Any], Any]:
         """Outputs and pullback of the call (`jax.vjp` under jit), the pullback rebuilt
         around the residuals that are the call's inputs, which are not copied."""
