@@ -1,4 +1,5 @@
-"""The worker-side jitted functions of one layer signature, against `jax.vjp` directly."""
+"""Worker-side pieces against independent references: the jitted functions of one layer
+signature (against `jax.vjp`), and how layers and batch data travel in a graph."""
 from __future__ import annotations
 
 from typing import Any
@@ -87,3 +88,18 @@ def test_an_importable_layer_travels_by_name_a_notebook_layer_by_value() -> None
         assert copy is not models.dense and copy.name == "dense"
     finally:
         cloudpickle.unregister_pickle_by_value(models)
+
+
+def test_embedded_batch_data_is_a_numpy_view_of_a_cpu_jax_array() -> None:
+    from dagdiff.runtime.tasks import host_view
+
+    x = jnp.arange(12.0, dtype=jnp.float32).reshape(3, 4)
+    v = host_view(x)
+    assert isinstance(v, np.ndarray) and not isinstance(v, jax.Array)
+    np.testing.assert_array_equal(v, np.arange(12.0).reshape(3, 4))
+    assert v.ctypes.data == x.unsafe_buffer_pointer()      # a view: no copy
+    n = np.ones(3)
+    assert host_view(n) is n and host_view(3.0) == 3.0
+    seen = []
+    jax.jit(lambda t: seen.append(host_view(t) is t) or t)(x)   # a tracer stays itself
+    assert seen == [True]
