@@ -7,7 +7,6 @@ import sys
 from typing import Any, Callable, overload
 
 import cloudpickle
-
 import jax
 from dask.base import tokenize
 

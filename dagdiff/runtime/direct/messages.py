@@ -5,10 +5,9 @@ import dataclasses
 from typing import Any, Union
 
 import jax
-import numpy as np
 from distributed.protocol import to_serialize
 
-from ..tasks import FwdResult
+from ..tasks import FwdResult, host_view
 
 
 __all__ = ["Value", "Failure", "End", "Message", "to_wire", "from_wire", "pack", "unpack"]
@@ -95,24 +94,14 @@ def unpack(d: Any) -> Any:
 
 
 def _leaf(x: Any) -> Any:
-    return None if x is None else to_serialize(_host(x))
+    # CPU jax arrays as NumPy (no copy, and no JAX reconstruction on the receiver: the
+    # consumer's jitted function puts them on its device); GPU arrays stay jax arrays so
+    # dagdiff's ``cuda`` serializer can send the device buffer
+    return None if x is None else to_serialize(host_view(x))
 
 
 def _tree(x: Any) -> Any:
     if x is None:
         return None
 
-    return to_serialize(jax.tree_util.tree_map(_host, x))
-
-
-def _host(x: Any) -> Any:
-    """CPU jax arrays as NumPy (no copy, and no JAX reconstruction on the receiver: the
-    consumer's jitted function puts them on its device); GPU arrays stay jax arrays so
-    dagdiff's ``cuda`` serializer can send the device buffer."""
-    if isinstance(x, jax.Array):
-        try:
-            if all(d.platform == "cpu" for d in x.devices()):
-                return np.asarray(x)
-        except Exception:
-            return np.asarray(x)
-    return x
+    return to_serialize(jax.tree_util.tree_map(host_view, x))
