@@ -1,5 +1,5 @@
 """Worker-side pieces against independent references: the jitted functions of one layer
-signature (against `jax.vjp`), and how layers and batch data travel in a graph."""
+signature (against `jax.vjp`), and how batch data travels in a graph."""
 from __future__ import annotations
 
 from typing import Any
@@ -60,34 +60,6 @@ def test_inputs_whose_dtype_changes_in_the_trace_fall_back_to_the_plain_pullback
         g = c.bwd(pb, [ct], (0, 1, 2))
         np.testing.assert_allclose(np.asarray(g[2]), np.asarray(ref["w"]), rtol=1e-4, atol=1e-5)
     assert c._unmatched
-
-
-def test_an_importable_layer_travels_by_name_a_notebook_layer_by_value() -> None:
-    import pickle
-    import types
-
-    import cloudpickle
-
-    from tests import models
-
-    wire = cloudpickle.dumps(models.dense)
-    assert pickle.loads(wire) is models.dense          # the module's own object, by name
-    assert len(wire) < 200 and b"co_code" not in wire
-
-    nb = types.ModuleType("__main__")                    # a cell's layer: by value
-    exec("import dagdiff as dd\nimport jax.numpy as jnp\n"
-         "@dd.layer\ndef cell(p, x):\n    return jnp.tanh(x * p)\n", nb.__dict__)
-    copy = pickle.loads(cloudpickle.dumps(nb.cell))
-    assert copy is not nb.cell and copy.name == "cell"
-    np.testing.assert_allclose(np.asarray(copy(2.0, jnp.ones(3))), np.tanh(2.0 * np.ones(3)),
-                               rtol=1e-6)
-
-    cloudpickle.register_pickle_by_value(models)         # the user asked for by-value
-    try:
-        copy = pickle.loads(cloudpickle.dumps(models.dense))
-        assert copy is not models.dense and copy.name == "dense"
-    finally:
-        cloudpickle.unregister_pickle_by_value(models)
 
 
 def test_embedded_batch_data_is_a_numpy_view_of_a_cpu_jax_array() -> None:

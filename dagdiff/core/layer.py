@@ -2,11 +2,8 @@
 from __future__ import annotations
 
 import functools
-import importlib
-import sys
 from typing import Any, Callable, overload
 
-import cloudpickle
 import jax
 from dask.base import tokenize
 
@@ -54,15 +51,6 @@ class Layer:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return call_layer(self, args, kwargs)
 
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        # a layer its module can look up is sent by name, as pickle sends functions: the
-        # name `fn` has in its module is this layer, so cloudpickle would send `fn`
-        # itself by value (its code rebuilt by every process, every step)
-        ref = _importable(self)
-        if ref is not None:
-            return (_import, ref)
-        return super().__reduce_ex__(protocol)
-
     def __getstate__(self) -> dict[str, Any]:
         state = {k: v for k, v in self.__dict__.items() if k != "__wrapped__"}
         state["fn"] = _portable(self.fn)
@@ -105,30 +93,6 @@ def layer(
     if fn is None:
         return lambda f: Layer(f, name=name, remat=remat, stage=stage)
     return Layer(fn, name=name, remat=remat, stage=stage)
-
-
-def _importable(obj: Any) -> tuple[str, str] | None:
-    """(module, qualified name) under which `obj` itself can be imported, or None: defined
-    in ``__main__`` (a notebook, a script) or in a function, shadowed, or in a module
-    registered with `cloudpickle.register_pickle_by_value` (then it travels by value)."""
-    mod, qual = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
-    if not isinstance(mod, str) or not isinstance(qual, str) or mod == "__main__" \
-            or "<locals>" in qual or mod not in sys.modules:
-        return None
-    if any(mod == m or mod.startswith(m + ".")
-           for m in cloudpickle.list_registry_pickle_by_value()):
-        return None
-    found: Any = sys.modules[mod]
-    for part in qual.split("."):
-        found = getattr(found, part, None)
-    return (mod, qual) if found is obj else None
-
-
-def _import(mod: str, qual: str) -> Any:
-    found: Any = importlib.import_module(mod)
-    for part in qual.split("."):
-        found = getattr(found, part)
-    return found
 
 
 def _portable(fn: Any) -> Any:
