@@ -3,9 +3,11 @@ to worker over distributed's comms, and failures that reach the caller instead o
 from __future__ import annotations
 
 import contextlib
+import pickle
 import time
 from typing import Any
 
+import dask.sizeof
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -76,6 +78,38 @@ def test_plan_programs_is_pure_and_sends_only_what_is_read() -> None:
     assert w1.actions[0].export                                  # read by the loss task
     assert w0.actions[2].export and not w0.actions[0].export
     assert plan.direct == frozenset({"F0", "B0", "acc0", "F1", "B1"})
+
+
+def test_a_program_result_is_a_stub_on_the_wire_and_whole_on_disk() -> None:
+    """Another worker's output depends on a program's result for order alone: over a
+    comm (a recipient in the context) no values travel; spilled, it keeps them."""
+    import asyncio
+
+    from distributed.comm.utils import from_frames, to_frames
+    from distributed.protocol import deserialize_bytes, serialize_bytelist, to_serialize
+
+    from dagdiff.runtime.direct.results import ProgramResult
+    from dagdiff.runtime.serialize import register
+
+    register()
+    value = np.arange(1 << 16, dtype=np.float32)
+    result = ProgramResult("prog_slot0-n0-abc", {"acc-x": value, "loss-y": 1.5})
+    assert dask.sizeof.sizeof(result) >= value.nbytes
+
+    async def wire(context: Any) -> Any:
+        frames = await to_frames({"data": to_serialize(result)}, context=context)
+        return sum(len(memoryview(f)) for f in frames), (await from_frames(frames))["data"]
+
+    nbytes, stub = asyncio.run(wire({"sender": {}, "recipient": {"address": "tcp://w1"}}))
+    assert stub.stub and stub.program == result.program and nbytes < 2000
+    with pytest.raises(dd.DirectDispatchError, match="stays on the worker of prog_slot0"):
+        stub.value("acc-x")
+    for back in (deserialize_bytes(b"".join(map(bytes, serialize_bytelist(result)))),
+                 asyncio.run(wire(None))[1], pickle.loads(pickle.dumps(result))):
+        assert not back.stub and back.value("loss-y") == 1.5
+        np.testing.assert_array_equal(back.value("acc-x"), value)
+    with pytest.raises(dd.DirectDispatchError, match="exported no value nope"):
+        result.value("nope")
 
 
 def test_the_planning_modules_import_nothing_from_dask_or_jax() -> None:
@@ -175,10 +209,15 @@ def test_a_step_is_one_program_per_worker_in_schedule_order(client2: Any) -> Non
     loss_fn = make_loss(2)
     params, x, t = data(2)
     with client2.as_current():
-        loss, _ = dd.value_and_grad(loss_fn, microbatches=4, schedule="1f1b")(params, x, t)
+        loss, grads = dd.value_and_grad(loss_fn, microbatches=4, schedule="1f1b")(params, x,
+                                                                                 t)
     dsk = dict(loss.__dask_graph__())
     progs = {k: v.args[0] for k, v in dsk.items() if getattr(v, "func", None) is run_program}
     assert len(progs) == 2
+    # each output (the loss, every gradient leaf) waits for both programs and reads its
+    # own worker's program result in place: no completion or pick task in between
+    for out in [loss, *jax.tree_util.tree_leaves(grads)]:
+        assert dsk[out.key].dependencies == set(progs), out.key
     for k, prog in progs.items():
         # programs read only the step's inputs, never each other (values go directly)
         assert not set(dsk[k].dependencies) & set(progs), k

@@ -79,6 +79,9 @@ def register() -> None:
         return
     dask_serialize.register(jax_array_type)(_serialize_jax)
     dask_deserialize.register(jax_array_type)(_deserialize_jax)
+    from .direct import results     # program results: a stub on the wire
+
+    results.register()
     _register_cuda()
 
 

@@ -12,6 +12,7 @@ from ..live import enabled as live_actions
 from ..tasks import leaves_read
 from ..taskspec import DataNode, Task, TaskRef
 from .plan import plan_programs
+from .results import Export, ProgramResult
 from .runtime import Action, Program, Remote, _timeout, new_nonce, run_program
 
 
@@ -27,7 +28,7 @@ _COUNTER = itertools.count(1)
 @dataclasses.dataclass(frozen=True)
 class DirectGraph:
     """The rewritten graph: tasks, and the placement and priority of the new tasks
-    (programs, the nonce, the outputs they export, completion tasks)."""
+    (programs, the nonce, the tasks that pick a program's exports)."""
 
     dsk: dict[str, Any]
     priority: dict[str, int]
@@ -50,7 +51,8 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
     stays recomputable, and its keys name one computation.
 
     `keep` outputs wait for every program of the step (so computing any of them runs
-    the whole step). `outputs` are keys the caller reads straight from their program
+    the whole step) and read their values from their own worker's program result in
+    place; the other programs' results reach them as stubs (`results`). `outputs` are keys the caller reads straight from their program
     (e.g. a Trainer's new parameters, read by the next step on the same worker): they
     cost no cross-worker Dask edge, and the closing exchange makes each of them fail
     when any program of the step fails.
@@ -87,13 +89,13 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
     base = -10_000_000 * next(_COUNTER)      # later steps rank below earlier ones on every worker
     out_priority: dict[str, int] = {}
     placed: dict[str, str] = {}
-    done_refs: list[TaskRef] = []
     nonce_key = make_key("run", "step", 0, token)
     dsk[nonce_key] = Task(nonce_key, new_nonce)
     placed[nonce_key] = plan.programs[0].where
     out_priority[nonce_key] = base + 1
     members_all = [(p.where, addr(p.where)) for p in plan.programs]
     programs = []
+    exported: dict[str, int] = {}          # exported action key -> its program's index
     for i, pp in enumerate(plan.programs):
         w = pp.where
         actions = []
@@ -104,6 +106,8 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
                                   pa.local,
                                   tuple(Remote(c.where, addr(c.where), c.uses, c.leaves)
                                         for c in pa.remote), pa.export))
+            if pa.export:
+                exported[pa.key] = i
         pk = make_key("program", sanitize(w), i, token)
         prog = Program(pk, step, w, addr(w), tuple(actions), pp.statics, timeout,
                        tuple(m for m in members_all if m[0] != w), live)
@@ -116,21 +120,36 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
         placed[pk] = w
         out_priority[pk] = base
         programs.append(prog)
-        for a in actions:
-            if a.export:           # the value an output reads, as an ordinary result
-                dsk[a.key] = Task(a.key, _pick, TaskRef(pk), a.key)
-                placed[a.key] = w
-        # completion on the program's worker (nothing moves); every output waits for all
-        dk = make_key("done", "step", i, token)
-        dsk[dk] = Task(dk, _done, TaskRef(pk))
-        placed[dk] = w
-        done_refs.append(TaskRef(dk))
     for k in inline:
         dsk.pop(k, None)
+    # every output waits for every program (computing any of them runs the whole step)
+    # and reads its own worker's program result in place; the others' results are
+    # dependencies for order alone and travel as stubs (`results.ProgramResult`)
+    index = {p.where: i for i, p in enumerate(programs)}
+    prog_refs = [TaskRef(p.key) for p in programs]
     for k, t in list(dsk.items()):
         if k in keep and isinstance(t, Task):
-            kwargs = {n: v for n, v in t.kwargs.items() if not _ordering_only(n, v, plan.direct)}
-            dsk[k] = Task(k, _after, len(done_refs), *done_refs, t.func, *t.args, **kwargs)
+            here = index.get(worker_of.get(k))   # type: ignore[arg-type]
+
+            def local(v: Any) -> Any:
+                if isinstance(v, TaskRef) and exported.get(v.key, -1) == here:
+                    return Export(v.key)
+                return v
+
+            kwargs = {n: local(v) for n, v in t.kwargs.items()
+                      if not _ordering_only(n, v, plan.direct)}
+            dsk[k] = Task(k, _output, -1 if here is None else here, len(prog_refs), *prog_refs,
+                          t.func, *map(local, t.args), **kwargs)
+    # an export any other task reads (a Trainer's new parameters, `outputs`): one small
+    # task on the program's worker picks it from the program's result
+    wanted = set(outputs)
+    for k, t in dsk.items():
+        if isinstance(t, Task) and t.func is not run_program:
+            wanted.update(d for d in t.dependencies if d in exported)
+    for key in sorted(wanted & set(exported)):
+        prog = programs[exported[key]]
+        dsk[key] = Task(key, _pick, TaskRef(prog.key), key)
+        placed[key] = prog.where
     return DirectGraph(dsk, out_priority, placed, tuple(programs))
 
 
@@ -147,17 +166,17 @@ def _data_deps(t: Task) -> list[str]:
     return sorted(set(t.dependencies) - skip)
 
 
-def _done(exports: Any) -> None:
-    """Completion of a step on one worker (its input: the worker's program)."""
-    return None
+def _pick(result: ProgramResult, key: str) -> Any:
+    """The value of action `key`, from its program's result."""
+    return result.value(key)
 
 
-def _pick(exports: dict[str, Any], key: str) -> Any:
-    """The value of action `key`, from its program's exports."""
-    return exports[key]
+def _output(here: int, n: int, *rest: Any, **kwargs: Any) -> Any:
+    """An output task: waits for the step's `n` program results, reads the `Export`
+    arguments from result `here` (its own worker's), and applies its function."""
+    results, func, args = rest[:n], rest[n], rest[n + 1:]
 
+    def value(v: Any) -> Any:
+        return results[here].value(v.key) if isinstance(v, Export) else v
 
-def _after(n: int, *rest: Any, **kwargs: Any) -> Any:
-    """An output task that also waits for the step's `n` completion tasks."""
-    func, args = rest[n], rest[n + 1:]
-    return func(*args, **kwargs)
+    return func(*map(value, args), **{n: value(v) for n, v in kwargs.items()})

@@ -32,6 +32,7 @@ from ...errors import DirectDispatchError, UpstreamError
 from ..live import ActionReporter
 from ..taskspec import Task
 from .messages import End, Failure, Message, Value, pack
+from .results import ProgramResult
 from .transport import STATUS_OP, DecodeError, Transport
 
 
@@ -222,7 +223,7 @@ class DirectRuntime:
         self.transport.close()
 
     # --- running a program ------------------------------------------------------------------
-    def run(self, prog: Program, nonce: str, static_values: tuple[Any, ...]) -> dict[str, Any]:
+    def run(self, prog: Program, nonce: str, static_values: tuple[Any, ...]) -> ProgramResult:
         """Run `prog`'s actions in order; return the values ordinary tasks read (see
         `run_program`)."""
         if self.worker.address != prog.address:
@@ -282,7 +283,7 @@ class DirectRuntime:
             self._finish(run, "ended" if failure is None else "failed")
         if failure is not None:
             raise failure
-        return exports
+        return ProgramResult(prog.key, exports)
 
     def _take_remote(self, st: _Run, prog: Program, run: str, a: Action, key: str,
                      src: str) -> Any:
@@ -548,9 +549,9 @@ def runtime() -> DirectRuntime:
     return install(get_worker())
 
 
-def run_program(prog: Program, nonce: str, /, *static_values: Any) -> dict[str, Any]:
+def run_program(prog: Program, nonce: str, /, *static_values: Any) -> ProgramResult:
     """A program task: run a worker's actions in order; return the values ordinary
-    tasks read.
+    tasks read (a `ProgramResult`: a stub when sent to another worker).
 
     Each action waits for its inputs (same-worker values are at hand; other workers'
     values arrive by message), runs, and hands its value on: kept here until its last
