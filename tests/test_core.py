@@ -185,3 +185,36 @@ def test_unused_param_gets_zero_grad() -> None:
     (g,) = dask.compute(grads, scheduler="threads")
     np.testing.assert_array_equal(g["unused"]["w"], np.zeros((2, 2), np.float32))
     assert_tree_close(g, jax.grad(fn)(params, rand(1, (4, 3)), rand(2, (4, 3))))
+
+
+def test_a_layer_pickles_once_as_bytes_and_comes_back_whole_elsewhere() -> None:
+    """Layers travel by value in every step's graph: their bytes are made once, plain
+    pickle carries them (no cloudpickle pass per graph), a process that already has
+    them gives back the same object, and a fresh process rebuilds a working layer."""
+    import copy
+    import pickle
+    import subprocess
+    import sys
+
+    scale = 3.0
+
+    def scaled_tanh(w: Any, x: Any) -> Any:        # a closure: not importable by name
+        return jnp.tanh(scale * x @ w)
+
+    lay = dd.layer(scaled_tanh, name="scaled", stage=1)
+    blob = pickle.dumps(lay)
+    assert pickle.dumps(lay) == blob and pickle.loads(blob) is lay
+    w, x = np.eye(2, dtype=np.float32), np.ones((1, 2), np.float32)
+    code = ("import pickle, sys, numpy as np; lay = pickle.loads(sys.stdin.buffer.read()); "
+            "w, x = np.eye(2, dtype=np.float32), np.ones((1, 2), np.float32); "
+            "print(lay.name, lay.stage, float(np.asarray(lay(w, x)).sum()))")
+    out = subprocess.run([sys.executable, "-c", code], input=blob, capture_output=True,
+                         check=True, timeout=120).stdout.decode().split()
+    assert out[:2] == ["scaled", "1"]
+    np.testing.assert_allclose(float(out[2]), float(np.asarray(scaled_tanh(w, x)).sum()),
+                               rtol=1e-6)
+    other = copy.copy(lay)
+    other.stage = 0                                 # a copy is its own layer
+    assert lay.stage == 1 and pickle.loads(pickle.dumps(other)).stage == 0
+    lay.name = "renamed"                            # changed after pickling: new bytes
+    assert pickle.loads(pickle.dumps(lay)).name == "renamed"

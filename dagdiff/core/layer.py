@@ -1,7 +1,9 @@
 """`dd.layer`: mark a JAX-differentiable function as one node (forward + VJP task) of the graph."""
 from __future__ import annotations
 
+import collections
 import functools
+import threading
 from typing import Any, Callable, overload
 
 import jax
@@ -51,8 +53,34 @@ class Layer:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return call_layer(self, args, kwargs)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # by value, as bytes made once per layer: every step's graph holds its layers, and
+        # cloudpickling a function (and distributed's plain-pickle attempt before it)
+        # cost ~1 ms a layer per pickling; a process that already revived these bytes
+        # gives back the same Layer object (`_revive`), so none is rebuilt per task
+        ident = (id(self.fn), self.name, self.remat, self.stage)
+        cached = self.__dict__.get("_payload")
+        if cached is None or cached[0] != ident:
+            import hashlib
+
+            import cloudpickle
+
+            data = cloudpickle.dumps((type(self), self.__getstate__()), protocol=5)
+            digest = hashlib.blake2b(data, digest_size=16).hexdigest()
+            cached = self.__dict__["_payload"] = (ident, digest, data)
+            _remember(digest, self)
+        return (_revive, cached[1:])
+
+    def __copy__(self) -> "Layer":
+        new = type(self).__new__(type(self))
+        new.__dict__.update((k, v) for k, v in self.__dict__.items() if k != "_payload")
+        return new
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "Layer":
+        return self.__copy__()          # functions are shared by copies, as copy.deepcopy does
+
     def __getstate__(self) -> dict[str, Any]:
-        state = {k: v for k, v in self.__dict__.items() if k != "__wrapped__"}
+        state = {k: v for k, v in self.__dict__.items() if k not in ("__wrapped__", "_payload")}
         state["fn"] = _portable(self.fn)
         return state
 
@@ -93,6 +121,36 @@ def layer(
     if fn is None:
         return lambda f: Layer(f, name=name, remat=remat, stage=stage)
     return Layer(fn, name=name, remat=remat, stage=stage)
+
+
+_REVIVED: "collections.OrderedDict[str, Layer]" = collections.OrderedDict()
+_REVIVED_LOCK = threading.Lock()
+_REVIVED_MAX = 256      # layers kept alive by the cache (most recently used)
+
+
+def _remember(digest: str, obj: Layer) -> None:
+    with _REVIVED_LOCK:
+        _REVIVED[digest] = obj
+        _REVIVED.move_to_end(digest)
+        while len(_REVIVED) > _REVIVED_MAX:
+            _REVIVED.popitem(last=False)
+
+
+def _revive(digest: str, data: bytes) -> Layer:
+    """The Layer pickled as `data` (its digest `digest`): the one this process already
+    made from these bytes (or sent as them), else a new one."""
+    with _REVIVED_LOCK:
+        hit = _REVIVED.get(digest)
+    if hit is not None:
+        return hit
+    import cloudpickle
+
+    cls, state = cloudpickle.loads(data)
+    obj = cls.__new__(cls)
+    obj.__setstate__(state)
+    obj.__dict__["_payload"] = ((id(obj.fn), obj.name, obj.remat, obj.stage), digest, data)
+    _remember(digest, obj)
+    return obj
 
 
 def _portable(fn: Any) -> Any:
