@@ -20,6 +20,11 @@ Systems (--systems, default all that are installed):
   torch-adam     `Schedule1F1B` + `torch.optim.Adam(lr=1e-3)` on each rank
   jax            one process: `jax.jit(jax.value_and_grad(loss_fn))` on the whole batch
   jax-adam       one process: jit of value_and_grad + optax adam
+  bound          the compute bound of a 1F1B step: the last stage's forward + backward of one
+                 microbatch alone on one core (a process pinned to it), in JAX (jit) and in
+                 torch (1 thread), times (m + p - 1): no pipeline can do better on p cores that
+                 each run one stage; printed, not a row of the ratios (with --split: dagdiff's
+                 per-worker busy time, from the actions' own times, against it)
 Ratios printed: dagdiff / torch (1F1B and GPipe), dagdiff / jax, and the same for the adam rows.
 Worker environment of the dagdiff cluster: --malloc, the glibc malloc variables the workers
 start with: `default` = what dd.local_cluster gives them (distributed's
@@ -36,11 +41,16 @@ Usage: python benchmarks/bench_peers.py [--width 1024] [--batch 512] [--microbat
        [--layers 8] [--schedule 1f1b|gpipe|zb-h1] [--steps 6] [--warmup 2]
        [--systems dagdiff torch jax ...]
        [--malloc default|distributed|unset] [--xla default|eigen-off] [--pin] [--rounds 1]
+       [--split]
+--split: after the dagdiff row, one more step under `dd.record`: where its time went (client
+build and submit, the recorded tasks' span, before the first and after the last F/B action,
+each worker's busy time).
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import os
 import socket
 import statistics
@@ -50,7 +60,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 SYSTEMS = ("jax", "jax-adam", "torch", "torch-gpipe", "torch-adam", "dagdiff", "dagdiff-unfused",
-           "dagdiff-adam", "dagdiff-fit")
+           "dagdiff-adam", "dagdiff-fit", "bound")
 TOP_PAD = "67108864"
 TRIM = "MALLOC_TRIM_THRESHOLD_"
 MALLOC_CHOICES = ("default", "distributed", "unset")
@@ -368,6 +378,99 @@ def run_dagdiff_fit(client: Any, cfg: Cfg, schedule: str) -> Result:
     return Result(times, first)
 
 
+# -------------------------------------------------------------------------- compute bound
+
+def _stage_fb(kind: str, cfg: Cfg, out: Any) -> None:
+    """In a process pinned to one core: median time of the last stage's forward + backward
+    (parameters and input cotangent; loss included) of one microbatch."""
+    os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+    params_np, batches_np = make_data(cfg)
+    per = cfg.layers // 2
+    rows = cfg.batch // cfg.microbatches
+    x, t = batches_np[0][0][:rows], batches_np[0][1][:rows]
+    ws = params_np[per:]
+    times = []
+    if kind == "jax":
+        import jax
+        import jax.numpy as jnp
+
+        ps = [{"w": jnp.asarray(w), "b": jnp.asarray(b)} for w, b in ws]
+        fb = jax.jit(jax.value_and_grad(_jax_loss, argnums=(0, 1)))
+        xj, tj = jnp.asarray(x), jnp.asarray(t)
+        for _ in range(30):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fb(ps, xj, tj))
+            times.append(time.perf_counter() - t0)
+    else:
+        import torch
+
+        torch.set_num_threads(1)
+        mods: list[Any] = []
+        for w, b in ws:
+            lin = torch.nn.Linear(cfg.width, cfg.width)
+            with torch.no_grad():
+                lin.weight.copy_(torch.from_numpy(w.T.copy()))
+                lin.bias.copy_(torch.from_numpy(b))
+            mods += [lin, torch.nn.Tanh()]
+        model = torch.nn.Sequential(*mods)
+        xt, tt = torch.from_numpy(x), torch.from_numpy(t)
+        for _ in range(30):
+            t0 = time.perf_counter()
+            xx = xt.clone().requires_grad_(True)
+            torch.nn.functional.mse_loss(model(xx), tt).backward()
+            times.append(time.perf_counter() - t0)
+    out.put(statistics.median(times[5:]))
+
+
+def run_bound(cfg: Cfg, kinds: list[str]) -> dict[str, float]:
+    """`_stage_fb` of each kind in its own spawned process (one after the other)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    got = {}
+    for kind in kinds:
+        q = ctx.SimpleQueue()
+        proc = ctx.Process(target=_stage_fb, args=(kind, cfg, q))
+        proc.start()
+        got[kind] = q.get()
+        proc.join()
+    return got
+
+
+def dagdiff_split(client: Any, cfg: Cfg, schedule: str) -> dict[str, Any]:
+    """One more value_and_grad step under `dd.record`: the split of its time."""
+    import jax
+    import jax.numpy as jnp
+    from distributed import wait
+
+    import dagdiff as dd
+
+    params_np, batches_np = make_data(cfg)
+    params = [{"w": jnp.asarray(w), "b": jnp.asarray(b)} for w, b in params_np]
+    x, t = map(jnp.asarray, batches_np[-1])
+    step = dd.value_and_grad(_dd_loss, microbatches=cfg.microbatches, schedule=schedule)
+    with client.as_current(), dd.record(client) as rec:
+        t0 = time.perf_counter()
+        loss, grads = step(params, x, t)
+        t1 = time.perf_counter()
+        futs = client.compute([loss, *jax.tree_util.tree_leaves(grads)])
+        t2 = time.perf_counter()
+        futs[0].result()
+        wait(futs)
+        t3 = time.perf_counter()
+        del futs
+    acts = [a for a in rec.tasks if a.phase in ("F", "B", "I", "W")]
+    first, last = min(a.start for a in rec.tasks), max(a.stop for a in rec.tasks)
+    busy: dict[str, float] = {}
+    for a in acts:
+        busy[a.worker] = busy.get(a.worker, 0.0) + a.stop - a.start
+    return {"step": t3 - t0, "build": t1 - t0, "submit": t2 - t1,
+            "outside": (t3 - t0) - (last - first) - (t2 - t0),
+            "head": min(a.start for a in acts) - first,
+            "span": max(a.stop for a in acts) - min(a.start for a in acts),
+            "tail": last - max(a.stop for a in acts), "busy": sorted(busy.values())}
+
+
 # --------------------------------------------------------------------------------- main
 
 def main() -> None:
@@ -391,11 +494,14 @@ def main() -> None:
     ap.add_argument("--xla", default="default", choices=("default", "eigen-off"),
                     help="XLA_FLAGS of the dagdiff workers: dd.local_cluster's, or the old flags")
     ap.add_argument("--pin", action="store_true", help="pin dagdiff worker i to core i")
+    ap.add_argument("--split", action="store_true",
+                    help="after the dagdiff row, where one more step's time went")
     a = ap.parse_args()
     if a.layers % 2 or a.batch % a.microbatches:
         ap.error("--layers must be even and --batch a multiple of --microbatches")
     cfg = Cfg(a.width, a.batch, a.microbatches, a.layers, a.steps, a.warmup, a.seed)
     systems = [s for s in SYSTEMS if s in a.systems]
+    bound_kinds = ["jax"] + (["torch"] if importlib.util.find_spec("torch") else [])
     if any(s.startswith("torch") for s in systems):
         try:
             importlib.import_module("torch.distributed.pipelining")
@@ -433,9 +539,27 @@ def main() -> None:
                     res[s] = run_torch(cfg, sch, adam=s == "torch-adam", env=_ENV0)
                     show(s, f"torch pipelining {'GPipe' if sch == 'gpipe' else '1F1B'}, 2 gloo "
                          "ranks" + (" + Adam" if s == "torch-adam" else ""))
+                elif s == "bound":
+                    m, p = cfg.microbatches, 2
+                    for kind, sec in run_bound(cfg, bound_kinds).items():
+                        print(f"  {'[%d] ' % len(rounds) if a.rounds > 1 else ''}last stage F+B "
+                              f"of one microbatch on one core, {kind:<5} {sec * 1e3:8.1f} ms: "
+                              f"1F1B compute bound (m + p - 1) x that = "
+                              f"{sec * (m + p - 1) * 1e3:.1f} ms", flush=True)
                 elif s == "dagdiff":
                     res[s] = run_dagdiff(client, cfg, a.schedule)
                     show(s, f"dagdiff value_and_grad {a.schedule}, 2 workers")
+                    if a.split:
+                        sp = dagdiff_split(client, cfg, a.schedule)
+                        print("    split of one more step (ms): step {:.1f} = build {:.1f} + "
+                              "submit {:.1f} + recorded tasks {:.1f} (to the first action "
+                              "{:.1f}, actions' span {:.1f}, after the last {:.1f}) + outside "
+                              "them {:.1f}; busy per worker {}".format(
+                                  *(1e3 * sp[k] for k in ("step", "build", "submit")),
+                                  1e3 * (sp["head"] + sp["span"] + sp["tail"]),
+                                  *(1e3 * sp[k] for k in ("head", "span", "tail", "outside")),
+                                  ", ".join(f"{1e3 * b:.1f}" for b in sp["busy"])),
+                              flush=True)
                 elif s == "dagdiff-unfused":
                     import dask
                     with dask.config.set({"dagdiff.fuse-loss-backward": False}):

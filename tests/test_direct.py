@@ -209,8 +209,8 @@ def test_a_step_is_one_program_per_worker_in_schedule_order(client2: Any) -> Non
     loss_fn = make_loss(2)
     params, x, t = data(2)
     with client2.as_current():
-        loss, grads = dd.value_and_grad(loss_fn, microbatches=4, schedule="1f1b")(params, x,
-                                                                                 t)
+        step = dd.value_and_grad(loss_fn, microbatches=4, schedule="1f1b")
+        loss, grads = step(params, x, t)
     dsk = dict(loss.__dask_graph__())
     progs = {k: v.args[0] for k, v in dsk.items() if getattr(v, "func", None) is run_program}
     assert len(progs) == 2

@@ -370,6 +370,7 @@ class Trainer:
             priority.update(pg.priority)
             replica_loss.append(pg.loss_key)
             replica_grads.append(pg.grad_keys)
+            loss_stage = pg.stage_of.get(pg.loss_key)
         summed = tree_allreduce(dsk, stage_of, replica_grads, model.param_nodes, model.home, p,
                                 token)
         scaled = ScaledOptimizer(self.optimizer, r_count, f"{self._uid}-r{r_count}")
@@ -386,7 +387,8 @@ class Trainer:
                 new_placed[(r, g)] = k
         lk = make_key("loss", "step", state.step, token)
         dsk[lk] = Task(lk, mean_task, *map(TaskRef, replica_loss))
-        stage_of[lk] = None
+        # one replica: on its loss's worker, which holds the value (nothing moves)
+        stage_of[lk] = loss_stage if r_count == 1 else None
         # direct dispatch: the new parameters come straight from their stage's program
         # (the next step's program on that worker reads them without a cross-worker
         # Dask edge); the loss waits for the whole step

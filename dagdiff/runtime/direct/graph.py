@@ -52,8 +52,9 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
 
     `keep` outputs wait for every program of the step (so computing any of them runs
     the whole step) and read their values from their own worker's program result in
-    place; the other programs' results reach them as stubs (`results`). `outputs` are keys the caller reads straight from their program
-    (e.g. a Trainer's new parameters, read by the next step on the same worker): they
+    place; the other programs' results reach them as stubs (`results`). `outputs` are
+    keys the caller reads straight from their program (e.g. a Trainer's new parameters,
+    read by the next step on the same worker, through a task that picks them): they
     cost no cross-worker Dask edge, and the closing exchange makes each of them fail
     when any program of the step fails.
 
