@@ -28,7 +28,9 @@ Systems (--systems, default all that are installed):
 Ratios printed: dagdiff / torch (1F1B and GPipe), dagdiff / jax, and the same for the adam rows.
 Worker environment of the dagdiff cluster: --malloc, the glibc malloc variables the workers
 start with: `default` = what dd.local_cluster gives them (distributed's
-MALLOC_TRIM_THRESHOLD_=65536 plus dagdiff's MALLOC_TOP_PAD_=67108864), `distributed` =
+MALLOC_TRIM_THRESHOLD_=65536 plus dagdiff's MALLOC_TOP_PAD_=67108864 and
+MALLOC_MMAP_THRESHOLD_=33554432), `toppad` = the top pad alone (dd.local_cluster before
+the mmap threshold: ~10% slower steps, less memory), `distributed` =
 distributed's trim threshold alone (dd.local_cluster before the fix: 2x slower steps),
 `unset` = neither; --xla: `default` = dd.local_cluster's (no XLA_FLAGS), `eigen-off` = the
 flags dagdiff used to set (--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1);
@@ -63,10 +65,11 @@ SYSTEMS = ("jax", "jax-adam", "torch", "torch-gpipe", "torch-adam", "dagdiff", "
            "dagdiff-adam", "dagdiff-fit", "bound")
 TOP_PAD = "67108864"
 TRIM = "MALLOC_TRIM_THRESHOLD_"
-MALLOC_CHOICES = ("default", "distributed", "unset")
+MALLOC_CHOICES = ("default", "toppad", "distributed", "unset")
 EIGEN_OFF = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 _ENV0 = dict(os.environ)               # this process's environment before any nanny's additions
 _PRE_SPAWN: dict[str, Any] | None = None   # distributed's own pre-spawn-environ, read once
+_DD_MALLOC: dict[str, str] | None = None   # dd.local_cluster's own WORKER_MALLOC_ENV
 
 
 class Cfg(NamedTuple):
@@ -260,6 +263,7 @@ def _worker_probe() -> dict[str, Any]:
     return {"rss_mb": int(st["VmRSS"].split()[0]) / 1024, "hwm_mb": int(st["VmHWM"].split()[0])
             / 1024, "threads": int(st["Threads"]), "trim": os.environ.get(TRIM),
             "top_pad": os.environ.get("MALLOC_TOP_PAD_"), "xla": os.environ.get("XLA_FLAGS"),
+            "mmap": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
             "affinity": sorted(os.sched_getaffinity(0))}
 
 
@@ -270,9 +274,11 @@ def start_cluster(malloc: str, xla: str, pin: bool) -> tuple[Any, Any]:
 
     import dagdiff as dd
 
-    global _PRE_SPAWN
-    for k in (TRIM, "MALLOC_TOP_PAD_"):  # a nanny writes its pre-spawn env into this process
-        if k not in _ENV0:               # too, and its children would inherit it
+    global _PRE_SPAWN, _DD_MALLOC
+    # a nanny writes its pre-spawn environment into this process too, and its children
+    # would inherit it
+    for k in (TRIM, "MALLOC_TOP_PAD_", "MALLOC_MMAP_THRESHOLD_"):
+        if k not in _ENV0:
             os.environ.pop(k, None)
     if _PRE_SPAWN is None:
         _PRE_SPAWN = dict(dask.config.get("distributed.nanny.pre-spawn-environ"))
@@ -280,7 +286,10 @@ def start_cluster(malloc: str, xla: str, pin: bool) -> tuple[Any, Any]:
     import dagdiff.cluster.local as ddc
 
     # dd.local_cluster's nannies add ddc.WORKER_MALLOC_ENV to the pre-spawn environment
-    ddc.WORKER_MALLOC_ENV = {} if malloc != "default" else {"MALLOC_TOP_PAD_": TOP_PAD}
+    if _DD_MALLOC is None:
+        _DD_MALLOC = dict(ddc.WORKER_MALLOC_ENV)
+    ddc.WORKER_MALLOC_ENV = {"default": _DD_MALLOC, "toppad": {"MALLOC_TOP_PAD_": TOP_PAD}}.get(
+        malloc, {})
     if malloc == "unset":
         pre[TRIM] = None            # None unsets a key (distributed.nanny._get_env_variables)
     dask.config.set({"distributed.nanny.pre-spawn-environ": pre})
@@ -449,6 +458,10 @@ def dagdiff_split(client: Any, cfg: Cfg, schedule: str) -> dict[str, Any]:
     params = [{"w": jnp.asarray(w), "b": jnp.asarray(b)} for w, b in params_np]
     x, t = map(jnp.asarray, batches_np[-1])
     step = dd.value_and_grad(_dd_loss, microbatches=cfg.microbatches, schedule=schedule)
+    with client.as_current():                   # a first call traces and compiles
+        loss, grads = step(params, *map(jnp.asarray, batches_np[-2]))
+        wait(client.compute([loss, *jax.tree_util.tree_leaves(grads)]))
+        del loss, grads
     with client.as_current(), dd.record(client) as rec:
         t0 = time.perf_counter()
         loss, grads = step(params, x, t)
@@ -578,7 +591,8 @@ def main() -> None:
             for addr, p in sorted(probe.items()):
                 print(f"    {addr}: RSS {p['rss_mb']:.0f} MB (peak {p['hwm_mb']:.0f}), "
                       f"{p['threads']} threads, cores {p['affinity']}, {TRIM}={p['trim']}, "
-                      f"MALLOC_TOP_PAD_={p['top_pad']}, XLA_FLAGS={p['xla']!r}")
+                      f"MALLOC_TOP_PAD_={p['top_pad']}, MALLOC_MMAP_THRESHOLD_={p['mmap']}, "
+                      f"XLA_FLAGS={p['xla']!r}")
     finally:
         if client is not None:
             client.close()

@@ -14,8 +14,9 @@ from tests.test_pipeline import close, data, make_loss
 
 
 def _env() -> dict[str, str | None]:
-    return {k: os.environ.get(k) for k in ("MALLOC_TOP_PAD_", "MALLOC_TRIM_THRESHOLD_",
-                                           "XLA_FLAGS", "OMP_NUM_THREADS")}
+    return {k: os.environ.get(k) for k in ("MALLOC_TOP_PAD_", "MALLOC_MMAP_THRESHOLD_",
+                                           "MALLOC_TRIM_THRESHOLD_", "XLA_FLAGS",
+                                           "OMP_NUM_THREADS")}
 
 
 @pytest.mark.distributed
@@ -27,7 +28,8 @@ def test_workers_start_with_the_top_pad_and_keep_it_after_a_restart() -> None:
     client = Client(cluster, set_as_default=False)
     try:
         (env,) = client.run(_env).values()
-        assert env["MALLOC_TOP_PAD_"] == WORKER_MALLOC_ENV["MALLOC_TOP_PAD_"]
+        assert env["MALLOC_TOP_PAD_"] == WORKER_MALLOC_ENV["MALLOC_TOP_PAD_"] == str(64 << 20)
+        assert env["MALLOC_MMAP_THRESHOLD_"] == str(32 << 20)
         assert env["OMP_NUM_THREADS"] == "1"
         assert not (env["XLA_FLAGS"] or "").count("intra_op_parallelism_threads")
         (addr,) = client.scheduler_info()["workers"]
@@ -35,6 +37,7 @@ def test_workers_start_with_the_top_pad_and_keep_it_after_a_restart() -> None:
         client.wait_for_workers(1, timeout=60)
         (env,) = client.run(_env).values()
         assert env["MALLOC_TOP_PAD_"] == WORKER_MALLOC_ENV["MALLOC_TOP_PAD_"]
+        assert env["MALLOC_MMAP_THRESHOLD_"] == WORKER_MALLOC_ENV["MALLOC_MMAP_THRESHOLD_"]
         assert list(dd.cluster.info.slot_names(client).values()) == ["slot0"]
     finally:
         client.close()

@@ -31,12 +31,18 @@ CPU_WORKER_ENV = {
 #: glibc malloc settings a nanny gives its worker process before it starts (the moment
 #: glibc reads them). distributed starts workers with MALLOC_TRIM_THRESHOLD_=65536
 #: (``distributed.nanny.pre-spawn-environ``); any explicit trim threshold switches off
-#: glibc's dynamic mmap threshold, so every large buffer XLA allocates is a fresh mmap
-#: with its page faults: dagdiff's 1F1B step on 2 workers took 1.2 s instead of 0.55 s.
-#: A 64 MiB top pad beside it gives the speed back and keeps distributed's trimming
-#: (worker RSS ~0.5 GB instead of ~0.33 GB on that job; removing the threshold instead
-#: cost ~0.6-0.7 GB).
-WORKER_MALLOC_ENV = {"MALLOC_TOP_PAD_": str(64 << 20)}
+#: glibc's dynamic mmap threshold, so every buffer of 128 KiB or more that XLA allocates
+#: (activations, gradients, optimizer state) is a fresh mmap with its page faults:
+#: dagdiff's 1F1B step on 2 workers took 1.2 s instead of 0.55 s. A 64 MiB top pad beside
+#: it gave most of the speed back (worker RSS ~0.5 GB instead of ~0.33 GB on that job);
+#: an mmap threshold of 32 MiB (glibc's own dynamic maximum) gives the rest: such buffers
+#: come from the heap and are reused. Measured in one process (a 4-layer 64 x 1024 stage's
+#: forward + backward / an adam step of its 4 M parameters): no variable 17 / 9-12 ms,
+#: distributed's threshold 48-59 / 25-30 ms, + top pad 21-25 / 16-22 ms, + mmap threshold
+#: 16-19 / 9 ms; on the bench_peers.py job, two clusters side by side: the 1F1B step 610
+#: -> 542 ms, a Trainer + adam step 625 -> 574 ms, worker RSS ~0.57 -> ~0.8 GB. distributed's
+#: trimming is kept (memory above the pad goes back to the system).
+WORKER_MALLOC_ENV = {"MALLOC_TOP_PAD_": str(64 << 20), "MALLOC_MMAP_THRESHOLD_": str(32 << 20)}
 
 
 #: a GPU worker's JAX must not take 75% of the card up front
