@@ -134,8 +134,9 @@ def local_cluster(
     On a machine with GPUs (and dask-cuda installed), one worker per GPU whose JAX sees
     only its own GPU and does not preallocate the card; otherwise `n_workers`
     (default: the number of cores) single-threaded worker processes. Worker processes
-    start with `WORKER_MALLOC_ENV` (glibc's top pad; see there: without it XLA's CPU
-    kernels ran 2x slower under distributed's malloc trim threshold). Worker i has the
+    start with `WORKER_MALLOC_ENV` (glibc's top pad and mmap threshold; see there:
+    without them XLA's CPU kernels ran 2-3x slower under distributed's malloc trim
+    threshold). Worker i has the
     resource ``slot<i>`` (see module docstring). Extra keyword arguments go to the cluster
     class. Prints the dashboard link unless `quiet`.
 
