@@ -14,6 +14,8 @@ bookkeeping. Here a step is a handful of Dask tasks per worker:
   ordinary tasks that wait for every program;
 * `runtime`: the worker extension that runs programs and keeps each run's state
   (deadlines, failures, cancellation, the closing exchange);
+* `results`: what a program task returns (the values the outputs read in place; an empty
+  stub when sent to another worker, whose outputs wait on it for order alone);
 * `transport` + `messages`: ordered typed messages between workers over
   `distributed.comm` (the cluster's TLS, comm backend and serializers apply).
 """
