@@ -218,6 +218,14 @@ def test_a_step_is_one_program_per_worker_in_schedule_order(client2: Any) -> Non
     # own worker's program result in place: no completion or pick task in between
     for out in [loss, *jax.tree_util.tree_leaves(grads)]:
         assert dsk[out.key].dependencies == set(progs), out.key
+        assert dsk[out.key].is_coro, out.key        # run on the worker's event loop
+    # stage 0's program (it starts the pipeline) is sent first once the nonce is ready
+    (layer,) = loss.__dask_graph__().layers.values()
+    prio = {k: layer.annotations["priority"](k) for k in progs}
+    lead = next(k for k, p in progs.items()
+                if any((i.phase, i.stage) == ("F", 0) for i in map(dd.key_info,
+                                                                   (a.key for a in p.actions))))
+    assert prio[lead] == max(prio.values()) > min(prio.values()), prio
     for k, prog in progs.items():
         # programs read only the step's inputs, never each other (values go directly)
         assert not set(dsk[k].dependencies) & set(progs), k

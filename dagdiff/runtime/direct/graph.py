@@ -95,6 +95,10 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
     placed[nonce_key] = plan.programs[0].where
     out_priority[nonce_key] = base + 1
     members_all = [(p.where, addr(p.where)) for p in plan.programs]
+    # the program that can run longest before it waits for another worker (stage 0's,
+    # which starts the pipeline) is sent first once the nonce is ready: the scheduler
+    # sends equal-priority tasks in no set order, and every other worker waits for it
+    lead = max(range(len(plan.programs)), key=lambda i: _leading(plan.programs[i]))
     programs = []
     exported: dict[str, int] = {}          # exported action key -> its program's index
     for i, pp in enumerate(plan.programs):
@@ -119,7 +123,7 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
                         else TaskRef(s))
         dsk[pk] = Task(pk, run_program, prog, TaskRef(nonce_key), *args)
         placed[pk] = w
-        out_priority[pk] = base
+        out_priority[pk] = base + (1 if i == lead else 0)
         programs.append(prog)
     for k in inline:
         dsk.pop(k, None)
@@ -154,6 +158,15 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
     return DirectGraph(dsk, out_priority, placed, tuple(programs))
 
 
+def _leading(pp: Any) -> int:
+    """How many actions a planned program runs before the first that reads another
+    worker's value."""
+    for n, a in enumerate(pp.actions):
+        if any(src != pp.where for _, src in a.inputs):
+            return n
+    return len(pp.actions)
+
+
 def _ordering_only(name: str, value: Any, direct: Collection[str]) -> bool:
     """`after_<i>` keyword arguments are the scheduler-mode ordering edges; actions
     run in their program's order instead."""
@@ -167,12 +180,16 @@ def _data_deps(t: Task) -> list[str]:
     return sorted(set(t.dependencies) - skip)
 
 
-def _pick(result: ProgramResult, key: str) -> Any:
+# The tasks after a step's programs are coroutine functions: a worker runs them on its
+# event loop, not in its thread pool (they only pick values, or average a few scalars),
+# so the ~9 of them per worker follow each other without a thread hand-off each.
+
+async def _pick(result: ProgramResult, key: str) -> Any:
     """The value of action `key`, from its program's result."""
     return result.value(key)
 
 
-def _output(here: int, n: int, *rest: Any, **kwargs: Any) -> Any:
+async def _output(here: int, n: int, *rest: Any, **kwargs: Any) -> Any:
     """An output task: waits for the step's `n` program results, reads the `Export`
     arguments from result `here` (its own worker's), and applies its function."""
     results, func, args = rest[:n], rest[n], rest[n + 1:]
