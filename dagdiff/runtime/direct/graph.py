@@ -11,7 +11,7 @@ from ...errors import PlacementError
 from ..live import enabled as live_actions
 from ..tasks import leaves_read
 from ..taskspec import DataNode, Task, TaskRef
-from .plan import plan_programs
+from .plan import ProgramPlan, plan_programs
 from .results import Export, ProgramResult
 from .runtime import Action, Program, Remote, _timeout, new_nonce, run_program
 
@@ -158,7 +158,7 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
     return DirectGraph(dsk, out_priority, placed, tuple(programs))
 
 
-def _leading(pp: Any) -> int:
+def _leading(pp: ProgramPlan) -> int:
     """How many actions a planned program runs before the first that reads another
     worker's value."""
     for n, a in enumerate(pp.actions):
