@@ -231,6 +231,32 @@ def test_a_model_error_is_not_retried() -> None:
     assert trainer.recoveries == []
 
 
+def test_a_step_submitted_from_a_lost_in_flight_state_waits_for_its_recovery(
+        monkeypatch: Any) -> None:
+    """`fit` submits the next step from the in-flight step's state; when that state is
+    already lost (a worker went away before the step ended) the submission raises, and
+    `fit` first lets the in-flight step end (or recover), then submits again from the
+    state it gives: the result is an undisturbed run's (threads scheduler)."""
+    params, batches = make_data(4)
+    want_state, want_losses = dd.Trainer(loss_fn, optax.adam(1e-2), microbatches=2,
+                                         schedule="1f1b").fit(batches, params=params,
+                                                              progress=False)
+    trainer = dd.Trainer(loss_fn, optax.adam(1e-2), microbatches=2, schedule="1f1b")
+    real, calls = trainer.step, []
+
+    def step(state: Any, *batch: Any) -> Any:
+        calls.append(state.step)
+        if len(calls) == 3:          # the third submission finds its input state lost
+            raise LostStateError("the training state of stage 0 was lost with its worker")
+        return real(state, *batch)
+
+    monkeypatch.setattr(trainer, "step", step)
+    state, losses = trainer.fit(batches, params=params, progress=False)
+    assert calls == [0, 1, 2, 2, 3]  # submitted again from the finished step's state
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
+    close(trainer.params(state), trainer.params(want_state))
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("cluster_client", [2], indirect=True)
 def test_a_plain_step_computed_with_retries_survives_a_lost_worker(cluster_client: Any) -> None:

@@ -582,7 +582,18 @@ class Trainer:
                 if i == 0:
                     finished = base = self._with_copy(finished, batch)
                 before = pending[-1].after if pending else finished
-                after, loss = self.step(before, *batch)
+                try:
+                    after, loss = self.step(before, *batch)
+                except (LostStateError, TrainerError):
+                    if not pending or not self.recover:
+                        raise
+                    # the state this step starts from was lost (a worker went away) or
+                    # failed before its own step ended: that step's failure goes through
+                    # recovery first, and this step starts from the state it gives
+                    while pending:
+                        take_one()
+                    before = finished
+                    after, loss = self.step(before, *batch)
                 pending.append(_InFlight(loss, before, after, tuple(batch)))
                 while len(pending) > 2:  # keep two steps in flight
                     take_one()
