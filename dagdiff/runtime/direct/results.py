@@ -35,8 +35,9 @@ class ProgramResult(dict):  # type: ignore[type-arg]
         if self.stub:
             raise DirectDispatchError(
                 f"the value of {key} stays on the worker of {self.program}, but a task on "
-                "another worker read it (an output of the step ran away from its program's "
-                "worker). Compute the step again.")
+                "another worker read it: that worker was lost (or restarted) after the "
+                "program ended, and only a stub of its result is left elsewhere. Compute the "
+                "step again (Trainer.fit does, from the state before it).")
         try:
             return self[key]
         except KeyError:
