@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import collections
 import functools
+import hashlib
 import threading
 from typing import Any, Callable, overload
 
+import cloudpickle
 import jax
 from dask.base import tokenize
 
@@ -61,10 +63,6 @@ class Layer:
         ident = (id(self.fn), self.name, self.remat, self.stage)
         cached = self.__dict__.get("_payload")
         if cached is None or cached[0] != ident:
-            import hashlib
-
-            import cloudpickle
-
             data = cloudpickle.dumps((type(self), self.__getstate__()), protocol=5)
             digest = hashlib.blake2b(data, digest_size=16).hexdigest()
             cached = self.__dict__["_payload"] = (ident, digest, data)
@@ -143,8 +141,6 @@ def _revive(digest: str, data: bytes) -> Layer:
         hit = _REVIVED.get(digest)
     if hit is not None:
         return hit
-    import cloudpickle
-
     cls, state = cloudpickle.loads(data)
     obj = cls.__new__(cls)
     obj.__setstate__(state)
