@@ -9,6 +9,8 @@ Systems (--systems, default all that are installed):
   dagdiff        `dd.value_and_grad(loss_fn, microbatches=m, schedule=--schedule)` on
                  `dd.local_cluster(2)` (direct dispatch); the step is trace + build + compute
                  of the loss and every gradient leaf; the grads stay on the workers as futures
+  dagdiff-zbh1   the `dagdiff` row with schedule="zb-h1" (the backward split into input and
+                 weight gradients), on the same cluster, whatever --schedule says
   dagdiff-adam   `dd.Trainer(loss_fn, optax.adam(1e-3), ...)`: `trainer.step` + loss.result()
   dagdiff-unfused  the `dagdiff` row with dask config dagdiff.fuse-loss-backward off (the
                  last stage's forward and backward as two jitted calls, as before 2026-12-01)
@@ -25,7 +27,8 @@ Systems (--systems, default all that are installed):
                  torch (1 thread), times (m + p - 1): no pipeline can do better on p cores that
                  each run one stage; printed, not a row of the ratios (with --split: dagdiff's
                  per-worker busy time, from the actions' own times, against it)
-Ratios printed: dagdiff / torch (1F1B and GPipe), dagdiff / jax, and the same for the adam rows.
+Ratios printed: dagdiff / torch (1F1B and GPipe), dagdiff / jax, ZB-H1 / the dagdiff row and
+ZB-H1 / torch 1F1B, and the same for the adam rows.
 Worker environment of the dagdiff cluster: --malloc, the glibc malloc variables the workers
 start with: `default` = what dd.local_cluster gives them (distributed's
 MALLOC_TRIM_THRESHOLD_=65536 plus dagdiff's MALLOC_TOP_PAD_=67108864 and
@@ -61,8 +64,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-SYSTEMS = ("jax", "jax-adam", "torch", "torch-gpipe", "torch-adam", "dagdiff", "dagdiff-unfused",
-           "dagdiff-adam", "dagdiff-fit", "bound")
+SYSTEMS = ("jax", "jax-adam", "torch", "torch-gpipe", "torch-adam", "dagdiff", "dagdiff-zbh1",
+           "dagdiff-unfused", "dagdiff-adam", "dagdiff-fit", "bound")
 TOP_PAD = "67108864"
 TRIM = "MALLOC_TRIM_THRESHOLD_"
 MALLOC_CHOICES = ("default", "toppad", "distributed", "unset")
@@ -573,6 +576,9 @@ def main() -> None:
                                   *(1e3 * sp[k] for k in ("head", "span", "tail", "outside")),
                                   ", ".join(f"{1e3 * b:.1f}" for b in sp["busy"])),
                               flush=True)
+                elif s == "dagdiff-zbh1":
+                    res[s] = run_dagdiff(client, cfg, "zb-h1")
+                    show(s, "dagdiff value_and_grad zb-h1, 2 workers")
                 elif s == "dagdiff-unfused":
                     import dask
                     with dask.config.set({"dagdiff.fuse-loss-backward": False}):
@@ -602,6 +608,9 @@ def main() -> None:
     for dd_row, peer, label in (("dagdiff", "torch", "dagdiff / torch 1F1B"),
                                 ("dagdiff", "torch-gpipe", "dagdiff / torch GPipe"),
                                 ("dagdiff", "jax", "dagdiff / jax.jit"),
+                                ("dagdiff-zbh1", "dagdiff",
+                                 f"dagdiff zb-h1 / dagdiff {a.schedule}"),
+                                ("dagdiff-zbh1", "torch", "dagdiff zb-h1 / torch 1F1B"),
                                 ("dagdiff", "dagdiff-unfused", "dagdiff / dagdiff unfused"),
                                 ("dagdiff-adam", "torch-adam", "dagdiff Trainer / torch + Adam"),
                                 ("dagdiff-adam", "jax-adam", "dagdiff Trainer / jax.jit + adam"),

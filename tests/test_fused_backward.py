@@ -31,10 +31,13 @@ def test_fused_pairs_follow_the_schedule_tables() -> None:
     # B), stage 1 F0 B0 F1 B1 F2 B2 F3 B3
     assert fused_microbatches(trace, get_schedule("1f1b"), 4) == \
         {(1, 0), (1, 1), (1, 2), (1, 3)}
-    # GPipe: every F waits for the other forwards before its B; ZB-H1 defers W
+    # GPipe: every F waits for the other forwards before its B
     assert fused_microbatches(trace, get_schedule("gpipe"), 4) == set()
     assert fused_microbatches(trace, get_schedule("gpipe"), 1) == {(0, 0), (1, 0)}
-    assert fused_microbatches(trace, get_schedule("zb-h1"), 4) == set()
+    # ZB-H1 (split backward: F then I fuses, W runs later from I's carry): stage 0 runs
+    # F0 F1 I0 W0 F2 I1 W1 F3 I2 W2 I3 W3, stage 1 F0 I0 F1 I1 W0 F2 I2 W1 F3 I3 W2 W3
+    assert fused_microbatches(trace, get_schedule("zb-h1"), 4) == \
+        {(1, 0), (1, 1), (1, 2), (1, 3)}
     # ZB-V (V layout: the loss chunk is worker 0's chunk 1, model stage 3):
     # worker 0 runs ... F0.1 I0.1 W0.1 F1.1 I1.1 W1.1 ... F3.1 I3.1 W3.1 ...
     trace4 = dd.trace(make_loss(4), microbatches=4, schedule="zb-v")(*data(4)).trace
@@ -61,6 +64,7 @@ def test_only_the_calls_that_make_the_loss_fuse_and_only_where_adjacent() -> Non
 @pytest.mark.parametrize("options", [
     {}, {"fuse": True}, {"microbatches": 4, "schedule": "1f1b"},
     {"microbatches": 1, "schedule": "1f1b"}, {"microbatches": 4, "schedule": "zb-v"},
+    {"microbatches": 4, "schedule": "zb-h1"},
 ])
 def test_fused_steps_equal_jax(options: dict[str, Any]) -> None:
     n = 4 if options.get("schedule") == "zb-v" else 2

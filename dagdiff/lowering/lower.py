@@ -106,7 +106,9 @@ def lower(
     with its forward, in one jitted call; its VJP task only hands the result on. Only for
     a forward whose VJP runs right after it (else the parameter gradients it holds wait
     longer than its residuals would): a step without microbatches, or a schedule that
-    runs the microbatch's backward next on that stage (`fused_microbatches`). Dask config
+    runs the microbatch's backward next on that stage (`fused_microbatches`). With
+    `split_backward` the forward computes only I's part with it (and what W needs);
+    W's task computes the rest when the schedule runs it. Dask config
     ``dagdiff.fuse-loss-backward: false`` (read when a step is built) turns it off.
     """
     low = Lowered()
@@ -114,7 +116,8 @@ def lower(
     dev = (devices or {}).get
     refs: dict[int, tuple[Any, int | None]] = {}
 
-    has_vjp = {op.node for op in plan.ops if isinstance(op, Vjp)} if plan is not None else set()
+    vjp_ops = {op.node: op for op in plan.ops if isinstance(op, Vjp)} if plan is not None else {}
+    has_vjp = set(vjp_ops)
     seeds = _seeds(trace, plan, seed_scale, fuse_seeded)
     for node in trace.nodes:
         if node.kind != "call":
@@ -130,7 +133,12 @@ def lower(
             continue
         key = make_key("F", node.name, node.index, token, node.stage, microbatch)
         srcs, vals = _args(node, refs)
-        extra = {"seed": seeds[node.index]} if node.index in seeds else {}
+        extra: dict[str, Any] = {}
+        if node.index in seeds:
+            extra["seed"] = seeds[node.index]
+            groups = _groups(vjp_ops[node.index]) if split_backward else []
+            if len(groups) == 2:      # its I runs with it, its W later (`runtime.split`)
+                extra["split"] = (groups[0][1], groups[1][1])
         low.add(key, Task(key, fwd_task, node.spec, srcs, dev(node.stage), *vals,
                           tag=(node.stage, microbatch), vjp=node.index in has_vjp, **extra),
                 node.stage)
@@ -207,25 +215,31 @@ def _lower_vjp(low: Lowered, node: Node, op: Vjp, token: str, mb: int | None,
             ct_srcs.append(s)
     srcs, primals = _args(node, refs)
     fwd = TaskRef(low.fwd_keys[node.index])
-    n = len(op.inputs)
-    groups: list[tuple[str, tuple[int, ...]]]
-    if split:
-        act = tuple(j for j in range(n) if not op.param_inputs[j])
-        par = tuple(j for j in range(n) if op.param_inputs[j])
-        groups = [(ph, w) for ph, w in (("I", act), ("W", par)) if w]
-    else:
-        groups = [("B", tuple(range(n)))]
+    groups = _groups(op) if split else [("B", tuple(range(len(op.inputs))))]
     keys = []
     for i, (phase, wrt) in enumerate(groups):
         key = make_key(phase, node.name, node.index, token, node.stage, mb)
+        last = i == len(groups) - 1
+        # a split's I leaves on the forward's result what its W needs to skip their
+        # shared work (`runtime.split`)
+        then = {} if last else {"then": groups[i + 1][1]}
         low.add(key, Task(key, vjp_task, node.spec, srcs, wrt, tuple(ct_srcs), dev, fwd,
-                          *ct_vals, *primals, release=i == len(groups) - 1), node.stage)
+                          *ct_vals, *primals, release=last, **then), node.stage)
         keys.append(key)
     low.bwd_keys[node.index] = [(phase, k) for (phase, _), k in zip(groups, keys)]
     if len(groups) == 1:
         low.op_keys[op.index] = keys[0]
     else:  # positions of the split results differ: re-index through a tiny mapping
         low.op_keys[op.index] = _Split(keys, groups)  # type: ignore[assignment]
+
+
+def _groups(op: Vjp) -> list[tuple[str, tuple[int, ...]]]:
+    """A split backward's tasks: I (w.r.t. the activation inputs), then W (parameters);
+    a group with nothing to differentiate is left out."""
+    n = len(op.inputs)
+    act = tuple(j for j in range(n) if not op.param_inputs[j])
+    par = tuple(j for j in range(n) if op.param_inputs[j])
+    return [(ph, w) for ph, w in (("I", act), ("W", par)) if w]
 
 
 class _Split(str):

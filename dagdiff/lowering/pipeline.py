@@ -154,10 +154,10 @@ def lower_pipeline(trace: Trace, plan: BackwardPlan, token: str, *, microbatches
 def fused_microbatches(trace: Trace, schedule: Schedule, m: int,
                        stage_offset: int = 0) -> set[tuple[int | None, int]]:
     """The (stage, microbatch) pairs whose backward `schedule` runs right after their
-    forward on the stage's worker (F then B, or F then I then W, nothing between): there
-    the loss's call can compute its forward and backward as one (`lower`'s
-    ``fuse_seeded``). Empty when the schedule cannot run the model (`order_actions` says
-    why)."""
+    forward on the stage's worker (F then B; with a split backward F then I, W at any
+    later time): there the loss's call can compute its forward and backward (with a
+    split backward: its I part) as one (`lower`'s ``fuse_seeded``). Empty when the
+    schedule cannot run the model (`order_actions` says why)."""
     stages = {n.stage for n in trace.nodes if n.kind == "call"}
     if None in stages or not stages:
         return set()
@@ -176,12 +176,9 @@ def fused_microbatches(trace: Trace, schedule: Schedule, m: int,
         for pos, act in enumerate(acts):
             if act.kind != "F":
                 continue
-            kinds = ""
-            for a in acts[pos + 1:pos + 3]:
-                if a.microbatch != act.microbatch or a.chunk != act.chunk:
-                    break
-                kinds += a.kind
-            if kinds.startswith("B") or kinds == "IW":
+            nxt = acts[pos + 1] if pos + 1 < len(acts) else None
+            if nxt is not None and nxt.kind in "BI" and nxt.microbatch == act.microbatch \
+                    and nxt.chunk == act.chunk:
                 out.add((stage_offset + layout[w][act.chunk], act.microbatch))
     return out
 

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..core.spec import CallSpec
+from .split import SplitBackward, partition
 
 
 __all__ = ["compiled", "track_live", "note_remat", "remat_count", "reset_remat_count",
@@ -75,8 +76,12 @@ class _Compiled:
             _, pb = fwd_vjp(d, nd)
             return bwd(pb, cts, wrt)
 
+        self._full_ct = full_ct
+        self._fwd_vjp_fn = fwd_vjp
+        self._out_avals = out_avals
         self._layout: dict[Any, tuple[Any, tuple[int, ...]]] = {}
         self._unmatched: set[Any] = set()
+        self._splits: dict[Any, SplitBackward | None] = {}
         self._fwd_res = jax.jit(fwd_res)
         self._fwd_vjp = jax.jit(fwd_vjp)
         self.forward = jax.jit(primal)
@@ -99,6 +104,70 @@ class _Compiled:
         ins = [*jax.tree_util.tree_leaves(d), *jax.tree_util.tree_leaves(nd)]
         leaves = [ins[i] if i >= 0 else kept[-1 - i] for i in where]
         return out, jax.tree_util.tree_unflatten(treedef, leaves)
+
+    def split_bwd(self, pb: Any, cts: Sequence[Any], first: tuple[int, ...],
+                  second: tuple[int, ...]
+                  ) -> tuple[tuple[Any, ...], SplitBackward, tuple[Any, ...]] | None:
+        """The gradients of the differentiated inputs `first`, plus what gives those of
+        `second` later without walking the backward again: ``(grads, parts, stash)``,
+        then ``parts.run_second(stash)`` (`dagdiff.runtime.split`). None when the
+        backward cannot be split that way."""
+        p_leaves, p_tree = jax.tree_util.tree_flatten(pb)
+        c_leaves, c_tree = jax.tree_util.tree_flatten(list(cts))
+        flat = [*p_leaves, *c_leaves]
+        key = ("bwd", p_tree, c_tree, _avals(flat), first, second)
+        if key not in self._splits:
+            full_ct = self._full_ct
+
+            def whole(pl: list[Any], cl: list[Any]) -> list[Any]:
+                g = jax.tree_util.tree_unflatten(p_tree, pl)(
+                    full_ct(jax.tree_util.tree_unflatten(c_tree, cl)))
+                return [g[i] for i in first] + [g[i] for i in second]
+
+            self._splits[key] = partition(jax.make_jaxpr(whole)(p_leaves, c_leaves),
+                                          len(first))
+        parts = self._splits[key]
+        if parts is None:
+            return None
+        grads, stash = parts.run_first(flat)
+        return grads, parts, stash
+
+    def fwd_grad_split(self, d: Sequence[Any], nd: Sequence[Any], cts: Sequence[Any],
+                       first: tuple[int, ...], second: tuple[int, ...]
+                       ) -> tuple[list[Any], tuple[Any, ...], SplitBackward, tuple[Any, ...]] \
+            | None:
+        """`fwd_grad` that stops after the gradients of `first`: ``(outputs, grads of
+        first, parts, stash)``, and ``parts.run_second(stash)`` gives those of `second`
+        (a zero-bubble schedule's loss call: its F and I run together, its W later).
+        None when the work cannot be split that way."""
+        d_leaves, d_tree = jax.tree_util.tree_flatten(list(d))
+        n_leaves, n_tree = jax.tree_util.tree_flatten(list(nd))
+        c_leaves, c_tree = jax.tree_util.tree_flatten(list(cts))
+        flat = [*d_leaves, *n_leaves, *c_leaves]
+        n_out = len(self._out_avals)
+        key = ("fwd", d_tree, n_tree, c_tree, _avals(flat), first, second)
+        if key not in self._splits:
+            fwd_vjp, full_ct = self._fwd_vjp_fn, self._full_ct
+
+            def whole(dl: list[Any], nl: list[Any], cl: list[Any]) -> list[Any]:
+                out, pb = fwd_vjp(jax.tree_util.tree_unflatten(d_tree, dl),
+                                  jax.tree_util.tree_unflatten(n_tree, nl))
+                g = pb(full_ct(jax.tree_util.tree_unflatten(c_tree, cl)))
+                return [*out, *(g[i] for i in first), *(g[i] for i in second)]
+
+            closed = jax.make_jaxpr(whole)(d_leaves, n_leaves, c_leaves)
+            self._splits[key] = (partition(closed, n_out + len(first))
+                                 if len(closed.jaxpr.outvars) == n_out + len(first)
+                                 + len(second) else None)
+        parts = self._splits[key]
+        if parts is None:
+            return None
+        head, stash = parts.run_first(flat)
+        return list(head[:n_out]), tuple(head[n_out:]), parts, stash
+
+
+def _avals(xs: Sequence[Any]) -> tuple[Any, ...]:
+    return tuple((getattr(x, "shape", None), getattr(x, "dtype", None)) for x in xs)
 
 
 def _signature(d: Sequence[Any], nd: Sequence[Any]) -> tuple[Any, ...]:

@@ -26,7 +26,7 @@ class FwdResult:
     and a VJP task that receives a copy rebuilds the pullback from its primals.
     """
 
-    __slots__ = ("out", "pullback", "moved", "tag", "res", "grads")
+    __slots__ = ("out", "pullback", "moved", "tag", "res", "grads", "carry")
 
     def __init__(self, out: list[Any], pullback: Any, moved: bool = False,
                  tag: tuple[Any, Any] | None = None, res: Any = None,
@@ -37,12 +37,16 @@ class FwdResult:
         self.tag = tag
         self.res = res          # residuals of a custom rule: plain arrays, they travel
         self.grads = grads      # input cotangents computed with the forward (stay here)
+        #: what a split backward's W still needs, left by its I (or by a forward that
+        #: ran with its I): W's `wrt` -> (the `SplitBackward`, its stash); stays here
+        self.carry: dict[tuple[int, ...], tuple[Any, tuple[Any, ...]]] | None = None
 
     def __reduce__(self) -> Any:
         return (_arrived, (self.out, self.res))
 
     def nbytes(self) -> int:
-        leaves = jax.tree_util.tree_leaves((self.out, self.pullback, self.res, self.grads))
+        leaves = jax.tree_util.tree_leaves((self.out, self.pullback, self.res, self.grads,
+                                            self.carry))
         return int(sum(getattr(x, "nbytes", 0) for x in leaves))
 
     def __repr__(self) -> str:
@@ -100,7 +104,9 @@ def _split(spec: CallSpec, srcs: tuple[int, ...], vals: Sequence[Any],
 
 def fwd_task(spec: CallSpec, srcs: tuple[int, ...], dev: int | None, *vals: Any,
              tag: tuple[Any, Any] | None = None, vjp: bool = True,
-             seed: tuple[Any, ...] | None = None, **after: Any) -> FwdResult:
+             seed: tuple[Any, ...] | None = None,
+             split: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+             **after: Any) -> FwdResult:
     """Forward of one layer call: outputs plus the pullback (kept in this process).
 
     `dev`: local JAX device index (single-process stage pinning). `tag`: (stage,
@@ -109,7 +115,10 @@ def fwd_task(spec: CallSpec, srcs: tuple[int, ...], dev: int | None, *vals: Any,
     are these constants (the loss's seed, None for outputs without one), and its VJP
     runs right after it: forward and backward run as one jitted call (one fused
     ``value_and_grad``, no residuals kept) and the VJP task only hands the cotangents
-    on. `after`: ordering-only dependencies.
+    on. `split` = (I's `wrt`, W's `wrt`) with a seed: the backward is split (a
+    zero-bubble schedule) and only its I part runs with the forward; W's task runs the
+    rest later from what this one leaves (`dagdiff.runtime.split`). `after`:
+    ordering-only dependencies.
     """
     try:
         if getattr(spec.layer, "custom", False):
@@ -119,9 +128,19 @@ def fwd_task(spec: CallSpec, srcs: tuple[int, ...], dev: int | None, *vals: Any,
         if spec.remat or not d or not vjp:
             return FwdResult(jax.block_until_ready(c.forward(d, nd)), None, tag=tag)
         if seed is not None:
-            out, grads = jax.block_until_ready(c.fwd_grad(d, nd, list(seed)))
+            parts = c.fwd_grad_split(d, nd, list(seed), *split) if split else None
+            if parts is not None:
+                out, head, rest, stash = jax.block_until_ready(parts)
+                grads: list[Any] = [None] * len(d)
+                for i, g in zip(split[0], head):
+                    grads[i] = g
+                res = FwdResult(out, None, tag=tag, grads=tuple(grads))
+                res.carry = {split[1]: (rest, stash)}
+            else:
+                out, every = jax.block_until_ready(c.fwd_grad(d, nd, list(seed)))
+                res = FwdResult(out, None, tag=tag, grads=every)
             track_live(tag, +1)
-            return FwdResult(out, None, tag=tag, grads=grads)
+            return res
         out, pb = jax.block_until_ready(c.fwd_vjp(d, nd))   # the task ends when its work does
     except Exception as e:
         _note(e, "forward", spec, tag, vals)
@@ -152,38 +171,54 @@ def _note(error: BaseException, what: str, spec: CallSpec, tag: Any, vals: Seque
 
 def vjp_task(spec: CallSpec, srcs: tuple[int, ...], wrt: tuple[int, ...],
              ct_srcs: tuple[int | None, ...], dev: int | None, fwd: FwdResult,
-             *vals: Any, release: bool = False, **after: Any) -> tuple[Any, ...]:
+             *vals: Any, release: bool = False, then: tuple[int, ...] = (),
+             **after: Any) -> tuple[Any, ...]:
     """VJP of one layer call w.r.t. differentiated leaves `wrt` (indices among them).
 
     `vals` holds the output cotangents (one per non-None entry of `ct_srcs`) followed
     by the primal inputs, which are only read to rebuild a pullback that moved.
     `release`: this is the call's last backward task, so its pullback is dropped after.
+    `then`: the `wrt` of the task that follows it (a split backward's W after this I):
+    this task also leaves on `fwd` what W needs to skip the work they share.
     """
     try:
         if getattr(spec.layer, "custom", False):
             return _custom_vjp(spec, srcs, wrt, ct_srcs, dev, fwd, vals)
-        out = jax.block_until_ready(_vjp(spec, srcs, wrt, ct_srcs, dev, fwd, vals))
+        out = jax.block_until_ready(_vjp(spec, srcs, wrt, ct_srcs, dev, fwd, vals, then))
     except Exception as e:
         _note(e, "VJP", spec, getattr(fwd, "tag", None), vals)
         raise
-    if release and (fwd.pullback is not None or fwd.grads is not None):
-        fwd.pullback = fwd.grads = None
-        track_live(fwd.tag, -1)
+    if release:
+        fwd.carry = None
+        if fwd.pullback is not None or fwd.grads is not None:
+            fwd.pullback = fwd.grads = None
+            track_live(fwd.tag, -1)
     return out
 
 
 def _vjp(spec: CallSpec, srcs: tuple[int, ...], wrt: tuple[int, ...],
          ct_srcs: tuple[int | None, ...], dev: int | None, fwd: FwdResult,
-         vals: Sequence[Any]) -> tuple[Any, ...]:
+         vals: Sequence[Any], then: tuple[int, ...] = ()) -> tuple[Any, ...]:
     n_ct = sum(s is not None for s in ct_srcs)
     device = _device(dev)
     it = iter(vals[:n_ct])
     cts = [None if s is None else _put(_take(next(it), s), device) for s in ct_srcs]
+    carried = (fwd.carry or {}).get(wrt)
+    if carried is not None:               # a split backward's W, after its I
+        rest, stash = carried
+        return rest.run_second(stash)
     if fwd.grads is not None:             # computed with the forward (`fwd_task`'s seed)
         return tuple(_put(fwd.grads[i], device) for i in wrt)
     c = compiled(spec)
     pb = fwd.pullback
     if pb is not None:
+        if then:
+            split = c.split_bwd(pb, cts, wrt, then)
+            if split is not None:
+                grads, rest, stash = split
+                if fwd.pullback is not None:   # not released meanwhile (threads)
+                    fwd.carry = {**(fwd.carry or {}), then: (rest, stash)}
+                return grads
         return c.bwd(pb, cts, wrt)
     if not spec.remat:
         note_remat()
