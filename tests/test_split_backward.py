@@ -2,6 +2,7 @@
 (`dagdiff.runtime.split`), and the numbers equal JAX's whatever order the tasks run in."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import dask
@@ -187,3 +188,32 @@ def test_the_loss_stage_runs_its_i_with_its_forward() -> None:
     # (leaf 2 after b, w), W w.r.t. its parameters
     assert len(fused) == 4 and all(k.startswith("fwd_s1_") for k in fused)
     assert set(fused.values()) == {((2,), (0, 1))}
+
+
+def test_a_split_that_fails_to_compile_falls_back_to_the_plain_backward(
+        monkeypatch: Any, caplog: Any) -> None:
+    """(jax internals differ between versions: a part that cannot be compiled must not
+    fail the step.)"""
+    from dagdiff.runtime import split as split_mod
+
+    def broken(*a: Any) -> Any:
+        raise RuntimeError("cannot lower this part")
+
+    real = split_mod.partition
+
+    def partition_broken(closed: Any, n_first: int) -> Any:
+        parts = real(closed, n_first)
+        return None if parts is None else dataclasses.replace(parts, first=broken)
+
+    monkeypatch.setattr(compiled_mod, "partition", partition_broken)
+    monkeypatch.setattr(compiled_mod, "_CACHE", {})
+    fn = make_loss(3)
+    params, x, t = data(3, batch=8)
+    want_l, want_g = jax.value_and_grad(fn)(params, x, t)
+    with caplog.at_level("WARNING", logger="dagdiff.runtime.compiled"):
+        loss, grads = dd.value_and_grad(fn, microbatches=2, schedule="zb-h1")(params, x, t)
+        got_l, got_g = dask.compute(loss, grads, scheduler="sync")
+    np.testing.assert_allclose(got_l, want_l, rtol=1e-5)
+    close(got_g, want_g)
+    assert "could not split" in caplog.text
+    assert all(s is None for c in compiled_mod._CACHE.values() for s in c._splits.values())

@@ -1,6 +1,7 @@
 """Worker-side jit caches of layer signatures, and the counters read by `dd.remat_count` etc."""
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any, Sequence
 
@@ -14,6 +15,8 @@ from .split import SplitBackward, partition
 
 __all__ = ["compiled", "track_live", "note_remat", "remat_count", "reset_remat_count",
            "compile_count", "peak_live", "reset_peak_live"]
+
+log = logging.getLogger(__name__)
 
 
 class _Compiled:
@@ -82,6 +85,8 @@ class _Compiled:
         self._layout: dict[Any, tuple[Any, tuple[int, ...]]] = {}
         self._unmatched: set[Any] = set()
         self._splits: dict[Any, SplitBackward | None] = {}
+        self._verified: set[Any] = set()
+        self._name = spec.name
         self._fwd_res = jax.jit(fwd_res)
         self._fwd_vjp = jax.jit(fwd_vjp)
         self.forward = jax.jit(primal)
@@ -124,13 +129,10 @@ class _Compiled:
                     full_ct(jax.tree_util.tree_unflatten(c_tree, cl)))
                 return [g[i] for i in first] + [g[i] for i in second]
 
-            self._splits[key] = partition(jax.make_jaxpr(whole)(p_leaves, c_leaves),
-                                          len(first))
-        parts = self._splits[key]
-        if parts is None:
-            return None
-        grads, stash = parts.run_first(flat)
-        return grads, parts, stash
+            self._splits[key] = _try_partition(lambda: jax.make_jaxpr(whole)(p_leaves, c_leaves),
+                                               len(first))
+        got = self._first_run(key, flat)
+        return None if got is None else (got[1][0], got[0], got[1][1])
 
     def fwd_grad_split(self, d: Sequence[Any], nd: Sequence[Any], cts: Sequence[Any],
                        first: tuple[int, ...], second: tuple[int, ...]
@@ -155,15 +157,48 @@ class _Compiled:
                 g = pb(full_ct(jax.tree_util.tree_unflatten(c_tree, cl)))
                 return [*out, *(g[i] for i in first), *(g[i] for i in second)]
 
-            closed = jax.make_jaxpr(whole)(d_leaves, n_leaves, c_leaves)
-            self._splits[key] = (partition(closed, n_out + len(first))
-                                 if len(closed.jaxpr.outvars) == n_out + len(first)
-                                 + len(second) else None)
+            self._splits[key] = _try_partition(
+                lambda: jax.make_jaxpr(whole)(d_leaves, n_leaves, c_leaves), n_out + len(first),
+                n_out + len(first) + len(second))
+        got = self._first_run(key, flat)
+        if got is None:
+            return None
+        parts, (head, stash) = got
+        return list(head[:n_out]), tuple(head[n_out:]), parts, stash
+
+    def _first_run(self, key: Any, flat: list[Any]
+                   ) -> tuple[SplitBackward, tuple[tuple[Any, ...], tuple[Any, ...]]] | None:
+        """Run the first part of split `key` (None: no split). The first run of a split
+        compiles it; if that fails, the split is dropped and the caller falls back to the
+        unsplit functions (the first part's own errors then recur there)."""
         parts = self._splits[key]
         if parts is None:
             return None
-        head, stash = parts.run_first(flat)
-        return list(head[:n_out]), tuple(head[n_out:]), parts, stash
+        if key in self._verified:
+            return parts, parts.run_first(flat)
+        try:
+            out = parts.run_first(flat)
+        except Exception as e:                  # noqa: BLE001 - fall back, said once
+            log.warning("dagdiff: could not split %s's backward (%s: %s); its I and W run "
+                        "apart", self._name, type(e).__name__, e)
+            self._splits[key] = None
+            return None
+        self._verified.add(key)
+        return parts, out
+
+
+def _try_partition(trace: Any, n_first: int, n_out: int | None = None
+                   ) -> SplitBackward | None:
+    """`partition` of the jaxpr `trace()` gives (None when it has not `n_out` outputs, or
+    when tracing or cutting it fails: the unsplit functions then serve)."""
+    try:
+        closed = trace()
+        if n_out is not None and len(closed.jaxpr.outvars) != n_out:
+            return None
+        return partition(closed, n_first)
+    except Exception as e:                      # noqa: BLE001 - jax internals differ
+        log.debug("dagdiff: no split backward (%s: %s)", type(e).__name__, e)
+        return None
 
 
 def _avals(xs: Sequence[Any]) -> tuple[Any, ...]:

@@ -51,6 +51,13 @@ class SplitBackward:
         return tuple(self.second(*stash))
 
 
+def _renamed(info: Any) -> Any:
+    """The traced function's debug info without its argument names and result paths,
+    which no longer match the parts' (jax checks their counts under jax_enable_checks)."""
+    replace = getattr(info, "_replace", None)
+    return replace(arg_names=None, result_paths=None) if replace is not None else None
+
+
 def _needed(jaxpr: Any, targets: Sequence[Any]) -> set[int]:
     """Indices of the equations `targets` (atoms of `jaxpr`) depend on."""
     need = {v for v in targets if isinstance(v, jcore.Var)}
@@ -89,11 +96,11 @@ def partition(closed: Any, n_first: int) -> SplitBackward | None:
                 seen.add(v)
                 carry.append(v)
     kept = tuple(i for i, v in enumerate(jaxpr.invars) if v in reads)
+    info = _renamed(jaxpr.debug_info)
     part_one = jcore.Jaxpr(jaxpr.constvars, jaxpr.invars, head + carry,
-                           [jaxpr.eqns[i] for i in sorted(one)], jaxpr.effects,
-                           jaxpr.debug_info)
+                           [jaxpr.eqns[i] for i in sorted(one)], jaxpr.effects, info)
     part_two = jcore.Jaxpr(jaxpr.constvars, [jaxpr.invars[i] for i in kept] + carry, tail,
-                           [jaxpr.eqns[i] for i in rest], jaxpr.effects, jaxpr.debug_info)
+                           [jaxpr.eqns[i] for i in rest], jaxpr.effects, info)
     one_c = jcore.ClosedJaxpr(part_one, closed.consts)
     two_c = jcore.ClosedJaxpr(part_two, closed.consts)
     return SplitBackward(jax.jit(jcore.jaxpr_as_fun(one_c)), jax.jit(jcore.jaxpr_as_fun(two_c)),
