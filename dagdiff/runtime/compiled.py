@@ -132,7 +132,10 @@ class _Compiled:
             self._splits[key] = _try_partition(lambda: jax.make_jaxpr(whole)(p_leaves, c_leaves),
                                                len(first))
         got = self._first_run(key, flat)
-        return None if got is None else (got[1][0], got[0], got[1][1])
+        if got is None:
+            return None
+        parts, (grads, stash) = got
+        return grads, parts, stash
 
     def fwd_grad_split(self, d: Sequence[Any], nd: Sequence[Any], cts: Sequence[Any],
                        first: tuple[int, ...], second: tuple[int, ...]
