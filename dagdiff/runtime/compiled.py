@@ -120,18 +120,16 @@ class _Compiled:
         p_leaves, p_tree = jax.tree_util.tree_flatten(pb)
         c_leaves, c_tree = jax.tree_util.tree_flatten(list(cts))
         flat = [*p_leaves, *c_leaves]
-        key = ("bwd", p_tree, c_tree, _avals(flat), first, second)
-        if key not in self._splits:
-            full_ct = self._full_ct
+        full_ct = self._full_ct
 
-            def whole(pl: list[Any], cl: list[Any]) -> list[Any]:
-                g = jax.tree_util.tree_unflatten(p_tree, pl)(
-                    full_ct(jax.tree_util.tree_unflatten(c_tree, cl)))
-                return [g[i] for i in first] + [g[i] for i in second]
+        def whole(pl: list[Any], cl: list[Any]) -> list[Any]:
+            g = jax.tree_util.tree_unflatten(p_tree, pl)(
+                full_ct(jax.tree_util.tree_unflatten(c_tree, cl)))
+            return [g[i] for i in first] + [g[i] for i in second]
 
-            self._splits[key] = _try_partition(lambda: jax.make_jaxpr(whole)(p_leaves, c_leaves),
-                                               len(first))
-        got = self._first_run(key, flat)
+        got = self._run_first(("bwd", p_tree, c_tree, _avals(flat), first, second), flat,
+                              lambda: jax.make_jaxpr(whole)(p_leaves, c_leaves), len(first),
+                              len(first) + len(second))
         if got is None:
             return None
         parts, (grads, stash) = got
@@ -150,30 +148,31 @@ class _Compiled:
         c_leaves, c_tree = jax.tree_util.tree_flatten(list(cts))
         flat = [*d_leaves, *n_leaves, *c_leaves]
         n_out = len(self._out_avals)
-        key = ("fwd", d_tree, n_tree, c_tree, _avals(flat), first, second)
-        if key not in self._splits:
-            fwd_vjp, full_ct = self._fwd_vjp_fn, self._full_ct
+        fwd_vjp, full_ct = self._fwd_vjp_fn, self._full_ct
 
-            def whole(dl: list[Any], nl: list[Any], cl: list[Any]) -> list[Any]:
-                out, pb = fwd_vjp(jax.tree_util.tree_unflatten(d_tree, dl),
-                                  jax.tree_util.tree_unflatten(n_tree, nl))
-                g = pb(full_ct(jax.tree_util.tree_unflatten(c_tree, cl)))
-                return [*out, *(g[i] for i in first), *(g[i] for i in second)]
+        def whole(dl: list[Any], nl: list[Any], cl: list[Any]) -> list[Any]:
+            out, pb = fwd_vjp(jax.tree_util.tree_unflatten(d_tree, dl),
+                              jax.tree_util.tree_unflatten(n_tree, nl))
+            g = pb(full_ct(jax.tree_util.tree_unflatten(c_tree, cl)))
+            return [*out, *(g[i] for i in first), *(g[i] for i in second)]
 
-            self._splits[key] = _try_partition(
-                lambda: jax.make_jaxpr(whole)(d_leaves, n_leaves, c_leaves), n_out + len(first),
-                n_out + len(first) + len(second))
-        got = self._first_run(key, flat)
+        got = self._run_first(("fwd", d_tree, n_tree, c_tree, _avals(flat), first, second),
+                              flat, lambda: jax.make_jaxpr(whole)(d_leaves, n_leaves, c_leaves),
+                              n_out + len(first), n_out + len(first) + len(second))
         if got is None:
             return None
         parts, (head, stash) = got
         return list(head[:n_out]), tuple(head[n_out:]), parts, stash
 
-    def _first_run(self, key: Any, flat: list[Any]
+    def _run_first(self, key: Any, flat: list[Any], trace: Any, n_first: int, n_out: int
                    ) -> tuple[SplitBackward, tuple[tuple[Any, ...], tuple[Any, ...]]] | None:
-        """Run the first part of split `key` (None: no split). The first run of a split
-        compiles it; if that fails, the split is dropped and the caller falls back to the
-        unsplit functions (the first part's own errors then recur there)."""
+        """Run the first part of split `key` on `flat` (None: no split). The split is
+        made once per key from the jaxpr `trace()` gives (`n_out` outputs, cut after
+        `n_first`). Its first run compiles it; if tracing, cutting or that run fails, the
+        split is dropped and the caller falls back to the unsplit functions (the first
+        part's own errors then recur there)."""
+        if key not in self._splits:
+            self._splits[key] = _try_partition(trace, n_first, n_out)
         parts = self._splits[key]
         if parts is None:
             return None
@@ -190,13 +189,12 @@ class _Compiled:
         return parts, out
 
 
-def _try_partition(trace: Any, n_first: int, n_out: int | None = None
-                   ) -> SplitBackward | None:
+def _try_partition(trace: Any, n_first: int, n_out: int) -> SplitBackward | None:
     """`partition` of the jaxpr `trace()` gives (None when it has not `n_out` outputs, or
     when tracing or cutting it fails: the unsplit functions then serve)."""
     try:
         closed = trace()
-        if n_out is not None and len(closed.jaxpr.outvars) != n_out:
+        if len(closed.jaxpr.outvars) != n_out:
             return None
         return partition(closed, n_first)
     except Exception as e:                      # noqa: BLE001 - jax internals differ

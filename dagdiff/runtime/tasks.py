@@ -38,8 +38,8 @@ class FwdResult:
         self.res = res          # residuals of a custom rule: plain arrays, they travel
         self.grads = grads      # input cotangents computed with the forward (stay here)
         #: what a split backward's W still needs, left by its I (or by a forward that
-        #: ran with its I): W's `wrt` -> (the `SplitBackward`, its stash); stays here
-        self.carry: dict[tuple[int, ...], tuple[Any, tuple[Any, ...]]] | None = None
+        #: ran with its I): (W's `wrt`, the `SplitBackward`, its stash); stays here
+        self.carry: tuple[tuple[int, ...], Any, tuple[Any, ...]] | None = None
 
     def __reduce__(self) -> Any:
         return (_arrived, (self.out, self.res))
@@ -135,7 +135,7 @@ def fwd_task(spec: CallSpec, srcs: tuple[int, ...], dev: int | None, *vals: Any,
                 for i, g in zip(split[0], head):
                     grads[i] = g
                 res = FwdResult(out, None, tag=tag, grads=tuple(grads))
-                res.carry = {split[1]: (rest, stash)}
+                res.carry = (split[1], rest, stash)
             else:
                 out, every = jax.block_until_ready(c.fwd_grad(d, nd, list(seed)))
                 res = FwdResult(out, None, tag=tag, grads=every)
@@ -203,9 +203,8 @@ def _vjp(spec: CallSpec, srcs: tuple[int, ...], wrt: tuple[int, ...],
     device = _device(dev)
     it = iter(vals[:n_ct])
     cts = [None if s is None else _put(_take(next(it), s), device) for s in ct_srcs]
-    carried = (fwd.carry or {}).get(wrt)
-    if carried is not None:               # a split backward's W, after its I
-        rest, stash = carried
+    if fwd.carry is not None and fwd.carry[0] == wrt:   # a split backward's W, after its I
+        _, rest, stash = fwd.carry
         return rest.run_second(stash)
     if fwd.grads is not None:             # computed with the forward (`fwd_task`'s seed)
         return tuple(_put(fwd.grads[i], device) for i in wrt)
@@ -217,7 +216,7 @@ def _vjp(spec: CallSpec, srcs: tuple[int, ...], wrt: tuple[int, ...],
             if split is not None:
                 grads, rest, stash = split
                 if fwd.pullback is not None:   # not released meanwhile (threads)
-                    fwd.carry = {**(fwd.carry or {}), then: (rest, stash)}
+                    fwd.carry = (then, rest, stash)
                 return grads
         return c.bwd(pb, cts, wrt)
     if not spec.remat:
