@@ -83,6 +83,7 @@ class LiveActions(SchedulerPlugin):
     dashboard's Task Stream), when a task stream is kept."""
 
     name = "dagdiff-live-actions"
+    idempotent = True                  # registered once per cluster, by its first client
 
     def __init__(self) -> None:
         self.scheduler: Any = None

@@ -44,6 +44,7 @@ class ColocateVJP(SchedulerPlugin):
     (unless the user pinned them with a ``workers=`` annotation)."""
 
     name = "dagdiff-colocate-vjp"
+    idempotent = True                  # registered once per cluster, by its first client
 
     def __init__(self) -> None:
         self.scheduler: Any = None
@@ -90,6 +91,9 @@ class LoadDagdiff(WorkerPlugin):
     direct-dispatch runtime (`dagdiff.direct.DirectRuntime`)."""
 
     name = "dagdiff-load"
+    #: a second client's registration keeps the workers' copy (distributed would otherwise
+    #: tear down and set up the plugin on every worker)
+    idempotent = True
 
     def setup(self, worker: Any) -> None:
         register()                  # sizeof and serializers of jax arrays (idempotent)
@@ -100,9 +104,10 @@ class LoadDagdiff(WorkerPlugin):
             stream.interval = min(stream.interval, latency)
 
     def teardown(self, worker: Any) -> None:
-        rt = getattr(self, "runtime", None)
-        if rt is not None:
-            rt.close()
+        """Nothing to undo: the runtime belongs to the worker (its extension ``"dagdiff"``,
+        closed by the worker's own close), not to this plugin. Closing it here broke direct
+        dispatch for every client of the cluster whenever the plugin was replaced."""
+        self.runtime = None
 
     def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:
         """Log when each task starts (exact per-worker order for `dd.record`); a running
@@ -131,10 +136,6 @@ def _keep_forward_replicas(scheduler: Any) -> None:
             log.info("dagdiff: removed the AMM ReduceReplicas policy (keeps pullbacks local)")
 
 
-def _missing_plugins(names: list[str], dask_scheduler: Any = None) -> list[str]:
-    return [n for n in names if n not in dask_scheduler.plugins]
-
-
 def ensure_colocation(client: Any) -> bool:
     """Register `ColocateVJP` and `LiveActions` (direct-dispatch actions in the dashboard)
     on `client`'s scheduler and `LoadDagdiff` on its workers, once per client; False if
@@ -144,10 +145,9 @@ def ensure_colocation(client: Any) -> bool:
     try:
         if getattr(client, "asynchronous", False):
             return False
-        plugins = {p.name: p for p in (ColocateVJP(), LiveActions())}
-        for name in client.run_on_scheduler(_missing_plugins, list(plugins)):
-            client.register_plugin(plugins[name], name=name)
-        client.register_plugin(LoadDagdiff(), name=LoadDagdiff.name)
+        # all idempotent: a cluster's first client registers them, the others keep them
+        for plugin in (ColocateVJP(), LiveActions(), LoadDagdiff()):
+            client.register_plugin(plugin, name=plugin.name)
     except Exception as e:  # e.g. dagdiff not installed where the scheduler runs
         log.warning("dagdiff: could not register the VJP colocation plugin (%s); VJP tasks "
                     "may rematerialize pullbacks (see dd.remat_count)", e)
