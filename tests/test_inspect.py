@@ -214,3 +214,37 @@ def test_record_of_a_cluster_uses_its_current_client_or_says_to_make_one(client2
     with pytest.raises(dd.ArgumentError, match=r"Client\(cluster\)"):
         with dd.record(Elsewhere()):
             pass
+
+
+# the classic 1F1B order of 4 workers x 8 microbatches (Narayanan et al.; torch's
+# Schedule1F1B gives the same rows)
+ONE_F_ONE_B_4x8 = [
+    "F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7",
+    "F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 B6 B7",
+    "F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 B7",
+    "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7",
+]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("dispatch", ["direct", "scheduler"])
+def test_recording_a_step_computed_a_second_time_lists_each_action_once(
+        client4: Any, dispatch: str) -> None:
+    """The same step computed again (the first run's results still held) inside
+    dd.record: every action once, each worker's row in 1F1B's order (a worker that still
+    knows a key reports every run's start/stop in the record of the last one)."""
+    params, x, t = data(4, batch=32)
+    step = dd.value_and_grad(make_loss(4), microbatches=8, schedule="1f1b", dispatch=dispatch)
+    with client4.as_current():
+        first = client4.compute(list(step(params, x, t)))
+        client4.gather(first)
+        with dd.record(client4) as rec:
+            client4.gather(client4.compute(list(step(params, x, t))))
+    fb = [r for r in rec.compute_tasks() if r.phase in ("F", "B")]
+    assert len(fb) == 4 * 8 * 2 and len({(r.key, r.worker) for r in fb}) == len(fb)
+    if dispatch == "direct":                   # each worker runs its program in this order
+        rows = [" ".join(f"{r.phase}{r.microbatch}"
+                         for r in sorted(fb, key=lambda r: r.start) if r.worker == w)
+                for w in rec.workers]
+        assert rows == ONE_F_ONE_B_4x8
+    assert rec.bubble_fraction().overall < 1.0

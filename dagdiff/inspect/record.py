@@ -321,19 +321,30 @@ def _client_of(cluster: Any) -> Any:
 
 def _from_stream(rec: Recording, data: list[dict[str, Any]],
                  logs: dict[str, dict[str, Any]] | None = None) -> None:
+    """Rows of `rec` from task-stream records. A record comes when a task finishes and
+    carries every start/stop its worker kept for that key, earlier runs of the same key
+    too (a step computed a second time): each record adds only its own run, the last
+    compute and the transfers after the compute before it."""
     rows = []
     logs = logs or {}
+    used: set[tuple[str, str, int]] = set()          # (worker, program, run) already shown
     for d in data:
         log = logs.get(d["worker"], {})
         programs, starts = log.get("programs", {}), log.get("starts", {})
-        for ss in d.get("startstops", ()):
+        for ss in _own_run(d.get("startstops", ())):
             action = ss.get("action")
             if action == "compute" and d["key"] in programs:
-                # a direct-dispatch program: a row per action it ran, on its worker
-                for key, start, stop in programs[d["key"]]:
+                # a direct-dispatch program: a row per action of this run, on its worker
+                n = _run_within(ss, programs[d["key"]])
+                if n is None or (d["worker"], d["key"], n) in used:
+                    continue
+                used.add((d["worker"], d["key"], n))
+                for key, start, stop in programs[d["key"]][n]:
                     rows.append((key, d["worker"], start, stop, *_classify(key)))
             elif action == "compute":
-                start = starts.get(d["key"], ss["start"])
+                known = starts.get(d["key"], [])
+                n = _closest(ss["start"], known)
+                start = known[n] if n is not None else ss["start"]
                 rows.append((d["key"], d["worker"], start, start + ss["stop"] - ss["start"],
                              *_classify(d["key"])))
             elif action == "transfer":
@@ -344,3 +355,30 @@ def _from_stream(rec: Recording, data: list[dict[str, Any]],
     base = min(r[2] for r in rows)
     for key, w, a, b, *info in rows:
         rec.tasks.append(TaskRecord(str(key), w, a - base, b - base, *info))
+
+
+def _own_run(startstops: Any) -> list[dict[str, Any]]:
+    """The start/stops of a task-stream record's own run: its last compute and the
+    transfers between the compute before it and that one."""
+    ss = list(startstops)
+    computes = [i for i, s in enumerate(ss) if s.get("action") == "compute"]
+    if not computes:
+        return ss
+    first = computes[-2] + 1 if len(computes) > 1 else 0
+    return ss[first:computes[-1] + 1]
+
+
+def _run_within(ss: dict[str, Any], runs: list[list[tuple[str, float, float]]],
+                slack: float = 0.05) -> int | None:
+    """The index of the program run whose first action began during the compute `ss`."""
+    inside = [n for n, r in enumerate(runs)
+              if r and ss["start"] - slack <= r[0][1] <= ss["stop"] + slack]
+    return min(inside, key=lambda n: abs(runs[n][0][1] - ss["start"])) if inside else None
+
+
+def _closest(t: float, times: list[float], within: float = 0.5) -> int | None:
+    """The index of the time in `times` closest to `t` (None if none is `within` s)."""
+    if not times:
+        return None
+    i = min(range(len(times)), key=lambda j: abs(times[j] - t))
+    return i if abs(times[i] - t) <= within else None

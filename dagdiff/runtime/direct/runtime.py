@@ -487,19 +487,19 @@ class DirectRuntime:
     def compute_log(self, keys: Any = None) -> dict[str, Any]:
         """What ran on this worker, in the scheduler's clock (one offset for all, so their
         order on a worker is exactly the order they ran in): ``"programs"``: per program
-        key, (action key, start, stop) of each action of its latest run; ``"starts"``: per
-        task key, when it last began executing."""
+        key, one list per run (oldest first) of (action key, start, stop) of its actions;
+        ``"starts"``: per task key, when each of its runs began executing (oldest first)."""
         want = None if keys is None else set(keys)
         delay = float(getattr(self.worker, "scheduler_delay", 0.0) or 0.0)
-        latest: dict[str, int] = {}
-        rows = [r for r in list(self.log) if want is None or r[3] in want]
-        for r in rows:
-            latest[r[3]] = max(latest.get(r[3], -1), r[4])
-        programs: dict[str, list[tuple[str, float, float]]] = {}
-        for k, a, b, pk, n in rows:
-            if n == latest[pk]:
-                programs.setdefault(pk, []).append((k, a + delay, b + delay))
-        starts = {k: t + delay for k, t in list(self.starts) if want is None or k in want}
+        runs: dict[str, dict[int, list[tuple[str, float, float]]]] = {}
+        for k, a, b, pk, n in list(self.log):
+            if want is None or pk in want:
+                runs.setdefault(pk, {}).setdefault(n, []).append((k, a + delay, b + delay))
+        programs = {pk: [by_run[n] for n in sorted(by_run)] for pk, by_run in runs.items()}
+        starts: dict[str, list[float]] = {}
+        for k, t in list(self.starts):
+            if want is None or k in want:
+                starts.setdefault(k, []).append(t + delay)
         return {"programs": programs, "starts": starts}
 
     def started(self, key: str) -> None:
