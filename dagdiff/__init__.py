@@ -36,6 +36,7 @@ from .errors import (
     DagdiffError,
     DirectDispatchError,
     KeyFormatError,
+    LostStateError,
     LayerShapeError,
     LayerTypeError,
     MicrobatchError,
@@ -45,6 +46,7 @@ from .errors import (
     TracerError,
     TrainerError,
     UpstreamError,
+    WorkerLostError,
 )
 from .inspect.graph import TracedGraph
 from .inspect.metrics import peak_live, remat_count, reset_peak_live, reset_remat_count
@@ -116,5 +118,7 @@ __all__ = [
     "CustomRuleError",
     "CycleError",
     "TrainerError",
+    "WorkerLostError",
+    "LostStateError",
     "MissingDependencyError",
 ]

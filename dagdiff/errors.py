@@ -20,6 +20,7 @@ __all__ = [
     "CycleError",
     "TrainerError",
     "LostStateError",
+    "WorkerLostError",
     "MissingDependencyError",
 ]
 
@@ -100,6 +101,21 @@ class TrainerError(DagdiffError, RuntimeError):
 class LostStateError(TrainerError):
     """Part of a training state was lost with its worker and no replica or copy holds it
     (the message names the stage and how to resume from a checkpoint)."""
+
+
+class WorkerLostError(TrainerError):
+    """A training step failed because a worker it ran on was lost (raised by the step's
+    loss, ``loss.result()``); ``state = trainer.recover(state)`` runs it again from a copy
+    that survived. `step` is the failed step's number, `workers` the lost addresses."""
+
+    def __init__(self, message: str, step: int | None = None,
+                 workers: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.step = step
+        self.workers = workers
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return type(self), (str(self), self.step, self.workers)
 
 
 class MissingDependencyError(DagdiffError, ImportError):

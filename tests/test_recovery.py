@@ -277,6 +277,58 @@ def test_a_plain_step_computed_with_retries_survives_a_lost_worker(cluster_clien
     close(got_g, want_g)
 
 
+def _kill_mid_step(client: Any, rng: random.Random) -> None:
+    """SIGKILL one worker (at random) while a program of the step just submitted runs."""
+    deadline = time.time() + 5
+    while time.time() < deadline and not any(client.run(_running).values()):
+        time.sleep(0.005)
+    pids = _pids(client)
+    os.kill(pids[rng.choice(sorted(pids))], signal.SIGKILL)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("cluster_client,replicas", [(4, 2), (2, 1)],
+                         indirect=["cluster_client"])
+def test_a_step_loop_survives_lost_workers_with_trainer_recover(cluster_client: Any,
+                                                                replicas: int) -> None:
+    """The README's loop, a worker SIGKILLed mid-step twice: the step's loss raises
+    `WorkerLostError` naming the step and the lost worker, `trainer.recover(state)` makes
+    that step's state again (from the other replica, the copy or the client's initial
+    values), and every loss and the final parameters equal plain JAX + optax."""
+    client = cluster_client
+    opt = optax.sgd(0.05)
+    params, batches = make_data(6)
+    trainer = dd.Trainer(loss_fn, opt, microbatches=4, schedule="1f1b", replicas=replicas,
+                         client=client, copy_every=2)
+    state = trainer.init(params)
+    rng, losses, failed = random.Random(replicas), [], []
+    for i, (x, t) in enumerate(batches):
+        state, loss = trainer.step(state, x, t)
+        if i in (1, 4):
+            _kill_mid_step(client, rng)
+        try:
+            losses.append(float(loss.result()))
+        except dd.WorkerLostError as e:
+            assert e.step == i and e.workers and f"step {i}" in str(e)
+            assert "trainer.recover(state)" in str(e)
+            failed.append(i)
+            state = trainer.recover(state)
+            losses.append(float(state.loss.result()))
+        assert state.step == i + 1
+    assert failed, "no kill hit a step"
+    assert len(trainer.recoveries) == len(failed)
+    want = []
+    p, s = params, opt.init(params)
+    for x, t in batches:
+        value, g = jax.value_and_grad(loss_fn)(p, x, t)
+        u, s = opt.update(g, s, p)
+        p = optax.apply_updates(p, u)
+        want.append(float(value))
+    np.testing.assert_allclose(losses, want, rtol=1e-5)
+    close(trainer.params(state), p, rtol=2e-4, atol=2e-5)
+    assert trainer.recover(state) is state                # nothing lost: the same state
+
+
 def test_lost_values_sees_what_the_scheduler_still_has(client2: Any) -> None:
     """A value in a worker's memory is alive; a cancelled one is lost (the check asks the
     scheduler with the futures themselves)."""

@@ -9,7 +9,7 @@ from typing import Any, Collection
 from distributed import default_client
 from distributed.scheduler import KilledWorker
 
-from ..errors import ClientClosedError, DirectDispatchError, PlacementError
+from ..errors import ClientClosedError, DirectDispatchError, PlacementError, WorkerLostError
 
 
 __all__ = ["slot_names", "check_open", "workers_info", "latest_workers_info", "current_client",
@@ -79,7 +79,8 @@ def may_be_a_lost_worker(error: BaseException) -> bool:
     """Whether `error` is how a step fails when a worker goes away (a direct-dispatch
     program that lost a peer, a cancelled or killed task, a closed comm), so that
     checking for a lost worker is worth a wait; a model's own error is not."""
-    return isinstance(error, (DirectDispatchError, concurrent.futures.CancelledError,
+    return isinstance(error, (DirectDispatchError, WorkerLostError,
+                              concurrent.futures.CancelledError,
                               KilledWorker, OSError))
 
 

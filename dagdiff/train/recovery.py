@@ -12,10 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Mapping
 
-from ..errors import LostStateError
+from distributed import Future
+
+from ..cluster.info import lost_workers, may_be_a_lost_worker
+from ..errors import LostStateError, WorkerLostError
 
 
-__all__ = ["Recovery", "copy_task", "lost_values", "restore"]
+__all__ = ["Recovery", "Lineage", "StepLoss", "copy_task", "lost_values", "restore"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,46 @@ class Recovery:
     seconds: float
     error: str
     failed_at: float = 0.0          # time.time() when the failure reached the trainer
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """How a Trainer state can be made again: from `start`, a state that survives the loss
+    of any one worker (placed with another replica or a copy of each value, or the initial
+    state the client holds), by running the steps of `batches` in order."""
+
+    start: Any                                   # a TrainState, without a lineage of its own
+    batches: tuple[tuple[Any, ...], ...]
+
+
+class StepLoss(Future):
+    """A training step's loss: a `distributed.Future` whose `result` raises
+    `WorkerLostError` (naming the step and the lost workers, and the way back) when the
+    step failed because a worker it ran on was lost."""
+
+    def __init__(self, key: Any, client: Any, step: int, workers: Collection[str]) -> None:
+        super().__init__(key, client)
+        self.step = step
+        self.workers = tuple(sorted(set(workers)))
+
+    def result(self, timeout: float | None = None) -> Any:
+        try:
+            return super().result(timeout)
+        except Exception as e:                # noqa: BLE001 - re-raised unless a loss
+            if not may_be_a_lost_worker(e) or not self.workers:
+                raise
+            try:
+                gone = lost_workers(self.client, self.workers, wait=10.0)
+            except Exception:                 # noqa: BLE001 - the client itself is gone
+                raise e from None
+            if not gone:
+                raise
+            raise WorkerLostError(
+                f"Trainer step {self.step} failed: worker(s) {', '.join(gone)} it ran on "
+                f"were lost ({type(e).__name__}: {str(e)[:300]}). Run it again from a "
+                "surviving copy with `state = trainer.recover(state)` (the state this step "
+                "returned; its new loss is `state.loss`), or use trainer.fit, which "
+                "recovers by itself.", self.step, gone) from e
 
 
 def copy_task(value: Any) -> Any:

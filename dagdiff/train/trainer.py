@@ -54,7 +54,7 @@ from ..runtime.tasks import mean_task
 from ..runtime.taskspec import DataNode, Task, TaskRef
 from .allreduce import tree_allreduce
 from .optimizer import ScaledOptimizer, update_task
-from .recovery import Recovery, copy_task, restore
+from .recovery import Lineage, Recovery, StepLoss, copy_task, lost_values, restore
 
 
 __all__ = ["Trainer", "TrainState"]
@@ -82,6 +82,10 @@ class TrainState:
     #: the worker address each placed value was made on
     where: Mapping[tuple[int, int], str] | None = dataclasses.field(
         default=None, repr=False, compare=False)
+    #: how to make this state again after a lost worker (`Trainer.recover`)
+    lineage: Lineage | None = dataclasses.field(default=None, repr=False, compare=False)
+    #: the loss of the step that made this state (a `StepLoss` Future on a cluster)
+    loss: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def trainer(self) -> "Trainer | None":
@@ -138,7 +142,8 @@ class Trainer:
         if not isinstance(copy_every, int) or isinstance(copy_every, bool) or copy_every < 1:
             raise ArgumentError(f"Trainer: copy_every must be an int >= 1, got {copy_every!r}")
         self.copy_every = copy_every
-        self.recover = bool(recover)
+        #: whether states keep what recovery needs (the ``recover=`` option)
+        self.recovering = bool(recover)
         self.max_retries = max_retries
         #: every failure `fit` recovered from (see `dagdiff.train.recovery.Recovery`)
         self.recoveries: list[Recovery] = []
@@ -271,7 +276,7 @@ class Trainer:
                 if addr is not None:
                     where[(r, g)] = addr
         return TrainState(state.step, groups=model.groups, placed=placed, owner=self._ref,
-                          backup=values if self.recover else None, where=where)
+                          backup=values if self.recovering else None, where=where)
 
     def _scatter(self, value: Any, addr: str | None) -> Any:
         return self.client.scatter(   # a list: one Future for the whole tuple
@@ -291,7 +296,7 @@ class Trainer:
                                           default)
             except PlacementError:
                 missing = (self._slots_seen - set(slot_names(self.client).values())
-                           if self.recover and self.client is not None else set())
+                           if self.recovering and self.client is not None else set())
                 if not missing or time.monotonic() >= deadline:
                     raise
                 if not waited:
@@ -401,17 +406,105 @@ class Trainer:
             values = self.client.compute(outs)
         loss = values[0]
         placed = dict(zip(new_placed, values[1:]))
+        lineage = self._lineage(state, batch)
         where = {}
         backup = None
         if self.client is not None:
             where = {(r, g): a for (r, g) in placed
                      if (a := _address(targets, model.group_stage[g] + r * p)) is not None}
-            if (self.recover and r_count == 1    # replicas hold each other's copies
+            loss = StepLoss(loss.key, self.client, state.step, set(where.values()))
+            if (self.recovering and r_count == 1    # replicas hold each other's copies
                     and (state.step + 1) % self.copy_every == 0):
                 backup = self._copies(placed, model, targets, token)
         self._last = TrainState(state.step + 1, groups=model.groups, placed=placed,
-                                owner=self._ref, backup=backup, where=where)
+                                owner=self._ref, backup=backup, where=where,
+                                lineage=lineage if self.client is not None else None,
+                                loss=loss)
         return self._last, loss
+
+    def _lineage(self, before: TrainState, batch: Sequence[Any]) -> Lineage | None:
+        """How the state a step from `before` on `batch` makes can be made again: from
+        `before` when it survives any one lost worker (replicas, copies, or the client's
+        initial values), else from `before`'s own start, through the batches since."""
+        if not self.recovering:
+            return None
+        if not before.is_placed or self.replicas > 1 or before.backup:
+            return Lineage(dataclasses.replace(before, lineage=None, loss=None),
+                           (tuple(batch),))
+        if before.lineage is not None:
+            return Lineage(before.lineage.start, before.lineage.batches + (tuple(batch),))
+        return None
+
+    # --- after a lost worker ------------------------------------------------------------
+    def recover(self, state: TrainState) -> TrainState:
+        """A usable state in place of `state`: `state` itself when every value is still
+        held; else, when `state`'s step failed or a value was lost with its worker, the
+        same state made again - from the newest state that survives one lost worker
+        (another replica's values, their copy, or the client's initial values) by running
+        the steps since again, waiting for a lost slot's replacement as `fit` does. Its
+        step's new loss is ``state.loss``. Raises `LostStateError` when nothing holds what
+        was lost (resume from a checkpoint). The usual loop::
+
+            state, loss = trainer.step(state, x, t)
+            try:
+                print(float(loss.result()))
+            except dd.WorkerLostError:
+                state = trainer.recover(state)      # the step, run again
+                print(float(state.loss.result()))
+        """
+        if not isinstance(state, TrainState):
+            raise ArgumentError(f"Trainer.recover takes a TrainState, got {type(state).__name__}")
+        if self.client is None or not state.is_placed:
+            return state
+        check_open(self.client)
+        t0, wall = time.monotonic(), time.time()
+        if self._usable(state):
+            return state
+        lineage = state.lineage
+        if lineage is None or not lineage.batches:
+            model = next(iter(self._cache.values()), None)
+            if model is None:
+                raise TrainerError("Trainer.recover: this trainer never ran a step")
+            restored, done = self._restored(state, model, ask=True)
+            self.recoveries.append(Recovery(state.step, self._gone(state), done, 0,
+                                            time.monotonic() - t0, "recover", wall))
+            self._last = restored
+            return restored
+        model = self._model(lineage.batches[0])
+        start = lineage.start
+        self._targets(model)                      # the lost slots' replacements
+        done: tuple[tuple[int, int, str], ...] = ()
+        if start.is_placed:
+            start, done = self._restored(start, model, ask=True)
+        now = start
+        for b in lineage.batches:
+            now, _ = self.step(now, *b)
+        log.warning("dagdiff: Trainer.recover made step %d's state again from step %d "
+                    "(%d step(s) run again)", state.step, start.step, len(lineage.batches))
+        self.recoveries.append(Recovery(state.step - 1, self._gone(state), done,
+                                        len(lineage.batches) - 1, time.monotonic() - t0,
+                                        "recover", wall))
+        return now
+
+    def _usable(self, state: TrainState) -> bool:
+        """Whether every value of `state` is held by a worker (or still being computed by
+        a step that did not fail)."""
+        assert state.placed is not None
+        futures = [v for v in state.placed.values() if hasattr(v, "status")]
+        if any(f.status in ("error", "cancelled", "lost") for f in futures):
+            return False
+        loss = state.loss
+        if loss is not None and getattr(loss, "status", "finished") in ("error", "cancelled"):
+            return False
+        if any(f.status == "pending" for f in futures):
+            return True
+        return not lost_values(self.client, state.placed)
+
+    def _gone(self, state: TrainState) -> tuple[str, ...]:
+        try:
+            return lost_workers(self.client, set((state.where or {}).values()), wait=0.0)
+        except Exception:                         # noqa: BLE001 - only for the record
+            return ()
 
     def _copies(self, placed: Mapping[tuple[int, int], Any], model: "_Model",
                 targets: Targets, token: str) -> dict[tuple[int, int], Any]:
@@ -440,15 +533,19 @@ class Trainer:
         futures hear of it), instead of reading the futures' status."""
         assert state.placed is not None
         bad = [f for f in state.placed.values() if getattr(f, "status", "finished") == "error"]
+        if not bad and getattr(state.loss, "status", None) in ("error", "cancelled"):
+            bad = [state.loss]                # its step failed: its values are not its own
         if bad and not ask:
+            why = (f"{type(bad[0].exception()).__name__}: {str(bad[0].exception())[:300]}"
+                   if bad[0].status == "error" else "cancelled")
             raise TrainerError(
-                f"this state (step {state.step}) is the result of a step that failed "
-                f"({type(bad[0].exception()).__name__}: {str(bad[0].exception())[:300]}); "
-                "step from the state before it (trainer.fit keeps it for you)")
+                f"this state (step {state.step}) is the result of a step that failed ({why}); "
+                "after a lost worker, `state = trainer.recover(state)` makes it again, else "
+                "step from the state before it (trainer.fit does both for you)")
         if not ask and all(getattr(f, "status", "finished") in ("finished", "pending")
                            for f in state.placed.values()):
             return state, ()
-        if not self.recover:
+        if not self.recovering:
             raise LostStateError(
                 f"part of this state (step {state.step}) was lost with its worker, and the "
                 "Trainer has recover=False; resume from a checkpoint (dd.load)")
@@ -526,7 +623,7 @@ class Trainer:
             pending.pop(0)
             losses.append(value)
             finished = entry.after
-            if self.recover:
+            if self.recovering:
                 history.append((entry.batch,
                                 entry.after if self._has_copy(entry.after) else None))
                 anchors = [j for j, (_, st) in enumerate(history) if st is not None]
@@ -543,7 +640,7 @@ class Trainer:
         def recover(error: Exception) -> None:
             nonlocal retries
             entry = pending[0]
-            if not self.recover or self.client is None or retries >= self.max_retries:
+            if not self.recovering or self.client is None or retries >= self.max_retries:
                 raise error
             t0, wall = time.monotonic(), time.time()
             gone = lost_workers(self.client, set((entry.after.where or {}).values()),
@@ -585,7 +682,7 @@ class Trainer:
                 try:
                     after, loss = self.step(before, *batch)
                 except (LostStateError, TrainerError):
-                    if not pending or not self.recover:
+                    if not pending or not self.recovering:
                         raise
                     # the state this step starts from was lost (a worker went away) or
                     # failed before its own step ended: that step's failure goes through
@@ -630,7 +727,7 @@ class Trainer:
     def _with_copy(self, state: TrainState, batch: Sequence[Any]) -> TrainState:
         """`state` with a copy of its values on other workers, when it is placed, has
         none, and the trainer recovers: where `fit` can go back to."""
-        if (not self.recover or self.client is None or not state.is_placed
+        if (not self.recovering or self.client is None or not state.is_placed
                 or self._has_copy(state) or state.backup):
             return state
         model = self._model(batch)
