@@ -248,3 +248,25 @@ def test_recording_a_step_computed_a_second_time_lists_each_action_once(
                 for w in rec.workers]
         assert rows == ONE_F_ONE_B_4x8
     assert rec.bubble_fraction().overall < 1.0
+
+
+def test_a_recording_shows_itself_in_jupyter(monkeypatch: Any) -> None:
+    """`rec` in a cell: the interactive chart as HTML (BokehJS inline, every task's key in
+    the page), the timeline PNG when bokeh is missing, a one-line text otherwise."""
+    import dask
+
+    import dagdiff.inspect.record as record_mod
+
+    params, x, t = data(2)
+    loss, grads = dd.value_and_grad(make_loss(2), microbatches=2, schedule="1f1b")(params, x, t)
+    with dd.record() as rec:
+        dask.compute(loss, grads, scheduler="threads")
+    bundle = rec._repr_mimebundle_()
+    assert "makespan" in bundle["text/plain"] and "image/png" not in bundle
+    assert "Bokeh" in bundle["text/html"] and all(r.key in bundle["text/html"] for r in rec.tasks)
+    monkeypatch.setattr(record_mod, "available", lambda m: m != "bokeh")
+    png = rec._repr_mimebundle_()
+    assert "text/html" not in png and png["image/png"].startswith(b"\x89PNG")
+    monkeypatch.setattr(record_mod, "available", lambda m: False)
+    assert set(rec._repr_mimebundle_()) == {"text/plain"}
+    assert set(record_mod.Recording()._repr_mimebundle_()) == {"text/plain"}   # empty

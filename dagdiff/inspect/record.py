@@ -16,7 +16,7 @@ from distributed import get_task_stream
 from ..cluster.info import current_client, slot_names
 from ..core.keys import key_info
 from ..errors import ArgumentError, KeyFormatError
-from ..extras import require
+from ..extras import available, require
 from ..runtime.direct import compute_log
 from ..runtime.live import is_live_action
 
@@ -177,6 +177,38 @@ class Recording:
             ("microbatch", "@microbatch"), ("start", "@start_ms ms"),
             ("duration", "@dur_ms ms")]))
         return fig
+
+    def __repr__(self) -> str:
+        bf = self.bubble_fraction()
+        return (f"<Recording: {len(self.compute_tasks())} tasks on {len(self.workers)} "
+                f"worker(s), makespan {self.makespan():.3f} s, bubble {bf.overall:.1%}>")
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None
+                          ) -> dict[str, Any]:
+        """What Jupyter shows for ``rec`` in a cell: the interactive chart (BokehJS inline,
+        so it works offline); the timeline PNG when bokeh is missing; text without either."""
+        out: dict[str, Any] = {"text/plain": repr(self)}
+        if not self.tasks:
+            return out
+        if available("bokeh"):
+            from bokeh.embed import components
+            from bokeh.resources import INLINE
+
+            script, div = components(self.chart())
+            out["text/html"] = INLINE.render_js() + script + div
+        elif available("matplotlib"):
+            import io
+
+            import matplotlib
+            matplotlib.use("Agg", force=False)
+            import matplotlib.pyplot as plt
+
+            fig = self.timeline()
+            buf = io.BytesIO()
+            fig.savefig(buf, format="png", dpi=100)
+            plt.close(fig)
+            out["image/png"] = buf.getvalue()
+        return out
 
     def save_html(self, path: str, title: str | None = None) -> str:
         """`chart` as a standalone HTML file (BokehJS inline: opens offline)."""
