@@ -33,6 +33,7 @@ from .lowering.graph import OutKey, assemble, to_delayed
 from .lowering.lower import lower, select, trace_token
 from .lowering.pipeline import lower_pipeline, stage_workers
 from .runtime.plugins import ensure_colocation
+from .runtime.shippable import check_shippable
 from .schedules import Schedule, get_schedule
 
 
@@ -196,6 +197,8 @@ def trace_model(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str
         raise
     loss, aux = split_aux(out, options.has_aux, fname)
     loss = check_loss(loss, trace, fname)
+    if client is not None:                     # the step's tasks will be pickled
+        check_shippable(trace)
     # full-batch values of the placeholder inputs (input nodes are made in argument order)
     batch: dict[int, Any] = {}
     it = iter(n for n in trace.nodes if n.kind != "call")

@@ -234,3 +234,41 @@ def test_a_string_as_params_is_named() -> None:
     _, x, t = data()
     with pytest.raises(dd.TracerError, match="argument 'params' \\(position 0\\) holds str"):
         dd.value_and_grad(loss_fn)("weights.npz", x, t)
+
+
+@dd.layer
+def _scaled_with(p: Any, x: Any, guard: Any) -> Any:
+    return jnp.tanh(x @ p["w"] + p["b"])
+
+
+def _loss_with(params: Any, x: Any, t: Any, guard: Any) -> Any:
+    with dd.stage(0):
+        h = _scaled_with(params[0], x, guard)
+    with dd.stage(1):
+        return M.mse(M.dense(params[1], h), t)
+
+
+@pytest.mark.distributed
+def test_an_unpicklable_layer_argument_is_named_before_dask_fails(client2: Any) -> None:
+    """A threading.Lock passed to a layer: on a cluster the build names the layer, its
+    stage, the argument and what could not be pickled (Dask's own error names only its
+    graph type); on local threads, which pickle nothing, the step runs."""
+    import threading
+
+    params = M.init_dense(jax.random.PRNGKey(0), [4, 4, 4])
+    x, t = jnp.ones((4, 4)), jnp.zeros((4, 4))
+    lock = threading.Lock()
+    with client2.as_current():
+        for kw in ({}, {"microbatches": 2, "schedule": "1f1b"}):
+            with pytest.raises(dd.LayerTypeError) as e:
+                dd.value_and_grad(_loss_with, **kw)(params, x, t, lock)
+            msg = str(e.value)
+            assert "'scaled_with'" in msg and "stage 0" in msg and "'guard'" in msg
+            assert "_thread.lock" in msg and "cannot pickle" in msg
+        with pytest.raises(dd.LayerTypeError, match="'guard'"):
+            dd.Trainer(_loss_with, optax.sgd(0.1), microbatches=2, schedule="1f1b",
+                       client=client2).init(params, x, t, lock)
+    loss, _ = dask.compute(*dd.value_and_grad(_loss_with)(params, x, t, lock),
+                           scheduler="threads")
+    np.testing.assert_allclose(loss, jax.value_and_grad(
+        lambda p: _loss_with(p, x, t, None))(params)[0], rtol=1e-5)
