@@ -9,7 +9,8 @@ from typing import Any, Callable, Mapping, Sequence
 import dask
 
 from .build import Options, build
-from .cluster.info import current_client, lost_workers, may_be_a_lost_worker, wait_for_slots
+from .cluster.info import (current_client, forget_workers, lost_workers, may_be_a_lost_worker,
+                           wait_for_slots)
 from .inspect.graph import TracedGraph
 
 
@@ -103,6 +104,7 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
                     wait_for_slots(client, set(targets.of.values()))
                 else:
                     client.wait_for_workers(len(workers), timeout=300)
+                forget_workers(client)                  # build for the workers there now
         raise AssertionError("unreachable")             # the loop returns or raises
 
     wrapped.compute = compute  # type: ignore[attr-defined]

@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
+import dask
 import jax
 from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
@@ -29,7 +30,8 @@ from .core.stage import check_stage
 from .core.trace_fn import argnames, argnums_of, check_loss, is_input, split_aux, trace_call
 from .core.tracer import Trace, Traced, home_stages, is_array
 from .errors import ArgumentError, LayerShapeError
-from .lowering.graph import OutKey, assemble, to_delayed
+from .lowering import template as templates
+from .lowering.graph import OutKey, assemble, assemble_direct, to_delayed
 from .lowering.lower import lower, select, trace_token
 from .lowering.pipeline import lower_pipeline, stage_workers
 from .runtime.plugins import ensure_colocation
@@ -323,6 +325,18 @@ def build(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
             lambda v: OutKey(grads[v.node]) if isinstance(v, Traced) and v.node in grads
             else None, a, is_leaf=lambda x: x is None) for a in model.diff_args]
 
+    tkey = None
+    if options.pipelined and mode == "direct" and templates.enabled():
+        # compile once, run many: the same structure on the same workers binds the
+        # lowered graph of an earlier step to this step's token, batch and parameters
+        tkey = templates.template_key(
+            trace, inputs, options.token(), tuple(sorted(model.batch)), mode,
+            program_homes(mode, targets), dict(targets.of), dask.config.get("dagdiff", {}))
+        tpl = templates.lookup(tkey)
+        if tpl is not None:
+            graph, keys = tpl.bind(token, model.batch, inputs)
+            return Build(model, options, targets, graph, keys, token, mode)
+
     if options.pipelined:
         pg = lower_pipeline(trace, model.plan, token, microbatches=options.microbatches,
                             schedule=options.schedule, batch=model.batch,
@@ -334,8 +348,16 @@ def build(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
                 grad_keys(pg.grad_keys))
         direct = ({k for k in jax.tree_util.tree_leaves(keys) if isinstance(k, OutKey)}
                   if mode == "direct" else None)
-        graph = assemble(pg.dsk, pg.stage_of, targets, token, priority=pg.priority,
-                         direct=direct)
+        if direct is not None and targets.kind in ("slots", "workers"):
+            graph, plan, prio, where = assemble_direct(
+                pg.dsk, pg.stage_of, targets, token, priority=pg.priority, direct=direct)
+            if tkey is not None:
+                templates.store(tkey, templates.StepTemplate.capture(
+                    token, "dagdiff", plan, prio, where, targets.kind == "slots",
+                    model.batch, trace, inputs, keys))
+        else:
+            graph = assemble(pg.dsk, pg.stage_of, targets, token, priority=pg.priority,
+                             direct=direct)
     else:
         low = lower(trace, model.plan, token, inputs=inputs, devices=devices,
                     fuse_seeded=True)

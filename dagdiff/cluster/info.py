@@ -12,14 +12,19 @@ from distributed.scheduler import KilledWorker
 from ..errors import ClientClosedError, DirectDispatchError, PlacementError, WorkerLostError
 
 
-__all__ = ["slot_names", "check_open", "workers_info", "latest_workers_info", "current_client",
-           "lost_workers", "wait_for_slots", "may_be_a_lost_worker"]
+__all__ = ["slot_names", "check_open", "workers_info", "forget_workers", "current_client",
+           "lost_workers", "wait_for_slots", "may_be_a_lost_worker", "MEMBERSHIP_TTL"]
+
+#: seconds a client's cached list of workers is used without asking the scheduler again
+#: (it is dropped at once when the scheduler announces a worker joining or leaving)
+MEMBERSHIP_TTL = 10.0
 
 
-def slot_names(client: Any) -> dict[str, str]:
-    """Worker address -> its ``slot<i>`` resource name, read from the scheduler."""
+def slot_names(client: Any, cached: bool = False) -> dict[str, str]:
+    """Worker address -> its ``slot<i>`` resource name, read from the scheduler (or, with
+    `cached`, from the client's list of workers while no worker joined or left)."""
     out = {}
-    for addr, w in workers_info(client).items():
+    for addr, w in workers_info(client, cached).items():
         slots = [r for r in (w.get("resources") or {}) if r.startswith("slot")]
         if slots:
             out[addr] = slots[0]
@@ -37,12 +42,19 @@ def check_open(client: Any) -> None:
             "or `with client.as_current():`), or compute without a client on local threads")
 
 
-def workers_info(client: Any) -> dict[str, Any]:
+def workers_info(client: Any, cached: bool = False) -> dict[str, Any]:
     """Every worker's entry of the scheduler's identity, asked directly: the client's
     cached `scheduler_info()` is also refreshed by a periodic callback that lists no
-    workers, which can overwrite it between the refresh and the read. The answer is
-    also kept as the client's `latest_workers_info`."""
+    workers, which can overwrite it between the refresh and the read.
+
+    `cached` (building a step): the answer kept from the last ask, while the scheduler
+    announced no worker joining or leaving (dagdiff's scheduler plugin, `MEMBERSHIP_TOPIC`)
+    and for at most `MEMBERSHIP_TTL` s: no round trip per step."""
     check_open(client)
+    entry = _CACHE.get(client) if cached else None
+    if entry is not None and time.monotonic() - entry[0] < MEMBERSHIP_TTL:
+        return dict(entry[1])
+    watching = _watch(client)
     if not getattr(client, "asynchronous", False):
         try:
             info = dict(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
@@ -50,21 +62,52 @@ def workers_info(client: Any) -> dict[str, Any]:
             info = dict(client.sync(client.scheduler.identity)["workers"])
     else:
         info = dict(client.scheduler_info()["workers"])
+    if watching:
+        try:
+            _CACHE[client] = (time.monotonic(), info)
+        except TypeError:                   # not weak-referenceable (a stand-in client)
+            pass
+    return dict(info)
+
+
+def forget_workers(client: Any) -> None:
+    """Drop `client`'s cached list of workers (the next build asks the scheduler)."""
     try:
-        _LATEST[client] = info
-    except TypeError:                       # not weak-referenceable (a stand-in client)
+        _CACHE.pop(client, None)
+    except TypeError:
         pass
-    return info
 
 
-_LATEST: "weakref.WeakKeyDictionary[Any, dict[str, Any]]" = weakref.WeakKeyDictionary()
+_CACHE: "weakref.WeakKeyDictionary[Any, tuple[float, dict[str, Any]]]" = \
+    weakref.WeakKeyDictionary()
+_WATCHED: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
-def latest_workers_info(client: Any) -> dict[str, Any]:
-    """The workers as `workers_info` last saw them for this client (asked now if never):
-    graph building reads it right after placement asked, without another round trip."""
-    info = _LATEST.get(client)
-    return info if info is not None else workers_info(client)
+def _watch(client: Any) -> bool:
+    """Subscribe `client` to its scheduler's membership announcements (once); False when
+    the scheduler does not make them (dagdiff's plugins are not registered there)."""
+    from ..runtime.plugins import MEMBERSHIP_TOPIC, is_registered
+
+    try:
+        if client in _WATCHED:
+            return True
+    except TypeError:
+        return False
+    if getattr(client, "asynchronous", False) or not is_registered(client):
+        return False
+    ref = weakref.ref(client)
+
+    def changed(event: Any) -> None:
+        c = ref()
+        if c is not None:
+            forget_workers(c)
+
+    try:
+        client.subscribe_topic(MEMBERSHIP_TOPIC, changed)
+    except Exception:                       # noqa: BLE001 - no cache, ask every time
+        return False
+    _WATCHED.add(client)
+    return True
 
 
 def current_client() -> Any:

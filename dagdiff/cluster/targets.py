@@ -38,7 +38,20 @@ def resolve_targets(stages: set[int], client: Any, placement: Mapping[int, Any] 
     """Map each stage to its slot (with a distributed client) or local device (without).
 
     Stage s goes to `placement[s]` if given, else to slot/device ``default.get(s, s) mod
-    n`` (`default`: a pipeline schedule's layout, see `lowering.pipeline.stage_workers`)."""
+    n`` (`default`: a pipeline schedule's layout, see `lowering.pipeline.stage_workers`).
+    With a client, the workers come from its cached list (`cluster.info.workers_info`),
+    asked again when that list cannot place the stages."""
+    if client is None:
+        return _resolve(stages, client, placement, default, cached=False)
+    try:
+        return _resolve(stages, client, placement, default, cached=True)
+    except PlacementError:
+        return _resolve(stages, client, placement, default, cached=False)
+
+
+def _resolve(stages: set[int], client: Any, placement: Mapping[int, Any] | None,
+             default: Mapping[int, int] | None, cached: bool) -> Targets:
+    """`resolve_targets` from the cached list of workers or (`cached` False) a fresh one."""
     default = dict(default or {})
     placement = dict(placement or {})
     for s in placement:
@@ -60,9 +73,9 @@ def resolve_targets(stages: set[int], client: Any, placement: Mapping[int, Any] 
             of[s] = d
         return Targets("devices", of)
 
-    slots = slot_names(client)
+    slots = slot_names(client, cached)
     if not slots:
-        workers = sorted(workers_info(client))
+        workers = sorted(workers_info(client, cached))
         if not workers:
             raise PlacementError("the distributed cluster has no workers; start some first")
         log.warning("dagdiff: workers have no slot<i> resources (start them with "

@@ -9,10 +9,10 @@ from dask.delayed import Delayed
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
 from ..cluster.targets import Targets, annotations_for
-from ..runtime.direct import RESOURCE_SHARE, rewrite
+from ..runtime.direct import RESOURCE_SHARE, DirectGraph, rewrite
 
 
-__all__ = ["OutKey", "to_delayed", "assemble"]
+__all__ = ["OutKey", "to_delayed", "assemble", "assemble_direct", "direct_layer"]
 
 
 class OutKey(str):
@@ -46,22 +46,39 @@ def assemble(dsk: dict[str, Any], stage_of: Mapping[str, int | None], targets: T
     priority = dict(priority or {})
     name = f"dagdiff-{token}"
     if direct is not None and targets.kind in ("slots", "workers"):
-        worker_of = {k: targets.target(s) for k, s in stage_of.items()}
-        slots = targets.kind == "slots"
-        plan = rewrite(dsk, worker_of, priority, direct, targets.addresses, token,
-                       slots=slots, outputs=set(outputs))
-        where = {k: w for k, w in worker_of.items() if w is not None}
-        where.update(plan.placed)
-        prio = {**priority, **plan.priority}
-        annotations: dict[str, Any] = {"priority": prio.get}
-        if slots:   # shares: a program waiting for its inputs keeps its resources
-            annotations["resources"] = {k: {w: RESOURCE_SHARE} for k, w in where.items()}.get
-        else:
-            annotations["workers"] = {k: [w] for k, w in where.items()}.get
-        return HighLevelGraph({name: MaterializedLayer(plan.dsk, annotations=annotations)},
-                              {name: set()})
+        return assemble_direct(dsk, stage_of, targets, token, priority=priority,
+                               direct=direct, outputs=outputs)[0]
     annotations = annotations_for(stage_of, targets)
     if priority:
         annotations["priority"] = priority.get
     layer = MaterializedLayer(dsk, annotations=annotations or None)
     return HighLevelGraph({name: layer}, {name: set()})
+
+
+def assemble_direct(dsk: dict[str, Any], stage_of: Mapping[str, int | None], targets: Targets,
+                    token: str, *, priority: Mapping[str, int], direct: set[str],
+                    outputs: set[str] = frozenset()
+                    ) -> tuple[HighLevelGraph, DirectGraph, dict[str, int], dict[str, str]]:
+    """`assemble` with direct dispatch, and its parts: the rewritten graph, each task's
+    priority and worker (what a step template keeps)."""
+    worker_of = {k: targets.target(s) for k, s in stage_of.items()}
+    slots = targets.kind == "slots"
+    plan = rewrite(dsk, worker_of, priority, direct, targets.addresses, token,
+                   slots=slots, outputs=set(outputs))
+    where = {k: w for k, w in worker_of.items() if w is not None and k in plan.dsk}
+    where.update(plan.placed)
+    prio = {k: v for k, v in {**priority, **plan.priority}.items() if k in plan.dsk}
+    return direct_layer(f"dagdiff-{token}", plan.dsk, prio, where, slots), plan, prio, where
+
+
+def direct_layer(name: str, dsk: Mapping[str, Any], priority: Mapping[str, int],
+                 where: Mapping[str, str], slots: bool) -> HighLevelGraph:
+    """One HighLevelGraph layer of a direct-dispatch step: each task's priority and its
+    worker (a share of its slot resource, or its address)."""
+    annotations: dict[str, Any] = {"priority": dict(priority).get}
+    if slots:   # shares: a program waiting for its inputs keeps its resources
+        annotations["resources"] = {k: {w: RESOURCE_SHARE} for k, w in where.items()}.get
+    else:
+        annotations["workers"] = {k: [w] for k, w in where.items()}.get
+    return HighLevelGraph({name: MaterializedLayer(dict(dsk), annotations=annotations)},
+                          {name: set()})

@@ -24,7 +24,11 @@ from .live import LiveActions
 from .serialize import register
 
 
-__all__ = ["ColocateVJP", "ensure_colocation"]
+__all__ = ["ColocateVJP", "ensure_colocation", "MEMBERSHIP_TOPIC", "is_registered"]
+
+#: the scheduler event topic on which `ColocateVJP` announces every worker that joins or
+#: leaves (clients keep their list of workers until it changes: `cluster.info`)
+MEMBERSHIP_TOPIC = "dagdiff-membership"
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +66,15 @@ class ColocateVJP(SchedulerPlugin):
         latency = _latency()
         if comm is not None and latency is not None:
             comm.interval = min(comm.interval, latency)
+        self._announce("add", worker)
+
+    def remove_worker(self, scheduler: Any = None, worker: Any = None, **kwargs: Any) -> None:
+        self._announce("remove", worker)
+
+    def _announce(self, action: str, worker: Any) -> None:
+        """Tell the clients that the set of workers changed (`MEMBERSHIP_TOPIC`)."""
+        if self.scheduler is not None:
+            self.scheduler.log_event(MEMBERSHIP_TOPIC, {"action": action, "worker": worker})
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         if not is_forward(key):
@@ -134,6 +147,15 @@ def _keep_forward_replicas(scheduler: Any) -> None:
         if isinstance(policy, ReduceReplicas):
             amm.policies.discard(policy)
             log.info("dagdiff: removed the AMM ReduceReplicas policy (keeps pullbacks local)")
+
+
+def is_registered(client: Any) -> bool:
+    """Whether `ensure_colocation` registered dagdiff's plugins through `client` (so its
+    scheduler announces membership changes)."""
+    try:
+        return client in _registered
+    except TypeError:
+        return False
 
 
 def ensure_colocation(client: Any) -> bool:

@@ -38,6 +38,7 @@ from ..build import (
 from ..cluster.info import (
     check_open,
     current_client,
+    forget_workers,
     lost_workers,
     may_be_a_lost_worker,
     slot_names,
@@ -458,6 +459,7 @@ class Trainer:
             return state
         check_open(self.client)
         t0, wall = time.monotonic(), time.time()
+        forget_workers(self.client)
         if self._usable(state):
             return state
         lineage = state.lineage
@@ -648,6 +650,7 @@ class Trainer:
             if not gone:
                 raise error                           # the model failed, not a worker
             retries += 1
+            forget_workers(self.client)
             log.warning("dagdiff: step %d failed after losing worker(s) %s (%s: %s); "
                         "running it again", entry.before.step, ", ".join(gone),
                         type(error).__name__, str(error)[:200])

@@ -22,11 +22,11 @@ bookkeeping. Here a step is a handful of Dask tasks per worker:
 from __future__ import annotations
 
 from ...errors import DirectDispatchError, UpstreamError
-from .graph import RESOURCE_SHARE, DirectGraph, rewrite
+from .graph import RESOURCE_SHARE, DirectGraph, next_base, rewrite
 from .plan import linearize, plan_programs
 from .runtime import EXTENSION, Action, DirectRuntime, Program, compute_log, install, run_program
 
 
-__all__ = ["DirectDispatchError", "UpstreamError", "RESOURCE_SHARE", "DirectGraph",
+__all__ = ["DirectDispatchError", "UpstreamError", "RESOURCE_SHARE", "DirectGraph", "next_base",
            "rewrite", "linearize", "plan_programs", "EXTENSION", "Action",
            "DirectRuntime", "Program", "compute_log", "install", "run_program"]

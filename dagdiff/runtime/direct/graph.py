@@ -16,13 +16,19 @@ from .results import Export, ProgramResult
 from .runtime import Action, Program, Remote, _timeout, new_nonce, run_program
 
 
-__all__ = ["DirectGraph", "rewrite", "RESOURCE_SHARE"]
+__all__ = ["DirectGraph", "rewrite", "next_base", "RESOURCE_SHARE"]
 
 #: share of a slot resource one program holds: a program leaves the thread pool
 #: (``secede``) but keeps its resources, so whole units would block the worker's next
 #: task, e.g. the next step's program (2**-20: exact in binary)
 RESOURCE_SHARE = 2.0 ** -20
 _COUNTER = itertools.count(1)
+
+
+def next_base() -> int:
+    """The priority base of the next step: later steps rank below earlier ones on every
+    worker."""
+    return -10_000_000 * next(_COUNTER)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +40,7 @@ class DirectGraph:
     priority: dict[str, int]
     placed: dict[str, str]             # new task -> its worker
     programs: tuple[Program, ...]
+    base: int = 0                      # the step's priority base (`next_base`)
 
 
 def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
@@ -87,7 +94,7 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
     inline = {k for k, t in dsk.items() if isinstance(t, DataNode) and k not in
               readers_outside}
     step = token
-    base = -10_000_000 * next(_COUNTER)      # later steps rank below earlier ones on every worker
+    base = next_base()
     out_priority: dict[str, int] = {}
     placed: dict[str, str] = {}
     nonce_key = make_key("run", "step", 0, token)
@@ -155,7 +162,7 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
         prog = programs[exported[key]]
         dsk[key] = Task(key, _pick, TaskRef(prog.key), key)
         placed[key] = prog.where
-    return DirectGraph(dsk, out_priority, placed, tuple(programs))
+    return DirectGraph(dsk, out_priority, placed, tuple(programs), base)
 
 
 def _leading(pp: ProgramPlan) -> int:

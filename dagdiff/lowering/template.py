@@ -1,0 +1,194 @@
+"""Compile once, run many: a direct-dispatch step's lowered graph kept as a template and
+bound to each new step's token, batch and resident inputs, instead of lowered again.
+
+A step is traced every time (so a changed model or batch shape gives a new template), but
+when its structure, options, placement, workers and the settings lowering reads are those
+of a step built before, the lowering (tasks, schedule order, per-worker programs, the plan
+of who sends what) is the same: only the Dask keys (the token names one computation),
+the batch values, the resident parameters' Futures and the step's priority base differ.
+`bind` makes exactly those, so a bound step has the keys a fresh build would give it.
+
+The programs' own action keys keep the template's token: they name values inside one run
+(messages carry the run id, a fresh nonce per submission), never Dask tasks.
+
+The cache holds `TEMPLATE_CACHE_SIZE` templates per process (least recently used out);
+a template holds no batch value and no resident parameter, only keys and the programs
+(the model's array constants, and parameters with ``resident=False``, are part of it). Its key covers everything the
+graph depends on besides the bound parts, so nothing has to invalidate it: a worker
+replaced (new addresses), other options or config give another key. Dask config
+``dagdiff.step-templates: false`` turns templates off.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import threading
+from typing import Any, Mapping
+
+import dask
+import jax
+from dask.base import tokenize
+from dask.highlevelgraph import HighLevelGraph
+
+from ..core.keys import make_key
+from ..core.tracer import Trace, Traced
+from ..runtime.direct import DirectGraph, Program, next_base, run_program
+from ..runtime.tasks import host_view
+from ..runtime.taskspec import DataNode, Task, TaskRef
+from .graph import OutKey, direct_layer
+
+
+__all__ = ["StepTemplate", "template_key", "lookup", "store", "enabled", "clear", "stats",
+           "TEMPLATE_CACHE_SIZE"]
+
+TEMPLATE_CACHE_SIZE = 64
+_CACHE: "collections.OrderedDict[str, StepTemplate]" = collections.OrderedDict()
+_LOCK = threading.Lock()
+_STATS = {"lowered": 0, "bound": 0}
+
+
+def stats() -> dict[str, int]:
+    """How many steps this process lowered into a new template and how many it bound
+    to an existing one (and how many templates it holds)."""
+    with _LOCK:
+        return {**_STATS, "templates": len(_CACHE)}
+
+
+def enabled() -> bool:
+    """Dask config ``dagdiff.step-templates`` (default True)."""
+    return bool(dask.config.get("dagdiff.step-templates", True))
+
+
+def template_key(trace: Trace, resident: Mapping[int, Any], *parts: Any) -> str:
+    """What a step's lowering depends on besides its token, batch values and resident
+    Futures: the trace's structure and avals, the values of every other input and array
+    constant, which inputs are resident, and `parts` (options, dispatch mode, workers,
+    the settings lowering reads)."""
+    lines: list[str] = [trace.name]
+    values: list[Any] = []
+    for n in trace.nodes:
+        if n.kind == "call":
+            refs = ",".join(f"{x.node}.{x.leaf}" if isinstance(x, Traced) else "c"
+                            for x, k in zip(n.in_leaves, n.spec.kinds) if k == "d")
+            lines.append(f"{n.spec.fingerprint}|{n.stage}|{refs}")
+            values.extend(x for x, k in zip(n.in_leaves, n.spec.kinds)
+                          if k == "d" and not isinstance(x, Traced))
+        elif n.index in resident:
+            lines.append(f"{n.kind}|{n.path}|resident|{n.out_avals}|{resident[n.index][1]}")
+        else:
+            lines.append(f"{n.kind}|{n.path}")
+            values.append(n.value)
+    h = hashlib.blake2b("\n".join(lines).encode(), digest_size=16)
+    h.update(tokenize(*values, *parts, ensure_deterministic=False).encode())
+    return h.hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Batch:
+    """Where a template's graph held the batch value of input node `node`."""
+
+    node: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTemplate:
+    """A lowered direct-dispatch step, with its token, batch values and resident keys as
+    holes to fill (`bind`)."""
+
+    token: str
+    name_prefix: str
+    dsk: Mapping[str, Any]                   # keys with `token`; batch values are `_Batch`
+    priority: Mapping[str, int]              # per key, relative to `base` where in `relative`
+    relative: frozenset[str]
+    base: int
+    where: Mapping[str, str]
+    slots: bool
+    resident: Mapping[str, int]              # resident Future key -> its input node
+    keys: Any                                # the outputs' pytree, `OutKey` leaves
+
+    @classmethod
+    def capture(cls, token: str, name: str, plan: DirectGraph, priority: Mapping[str, int],
+                where: Mapping[str, str], slots: bool, batch: Mapping[int, Any],
+                trace: Trace, resident: Mapping[int, Any], keys: Any) -> "StepTemplate":
+        """The template of a step just built (`plan`: its rewritten graph) with `token`."""
+        inputs = {make_key("input", trace.nodes[i].path or "x", i, token): i for i in batch}
+        dsk: dict[str, Any] = {}
+        for k, t in plan.dsk.items():
+            if isinstance(t, DataNode) and k in inputs:
+                dsk[k] = _Batch(inputs[k])
+            elif isinstance(t, Task) and t.func is run_program:
+                prog: Program = t.args[0]
+                args = [_Batch(inputs[s]) if s in inputs else a
+                        for s, a in zip(prog.statics, t.args[2:])]
+                dsk[k] = Task(k, run_program, *t.args[:2], *args)
+            else:
+                dsk[k] = t
+        return cls(token, name, dsk, dict(priority), frozenset(plan.priority), plan.base,
+                   dict(where), slots, {str(getattr(f, "key", f)): n
+                                        for n, (f, _) in resident.items()}, keys)
+
+    def bind(self, token: str, batch: Mapping[int, Any], resident: Mapping[int, Any]
+             ) -> tuple[HighLevelGraph, Any]:
+        """The step's graph and output keys for `token`, with `batch`'s values and the
+        `resident` inputs' Futures (node -> (Future, leaf)) in place of the template's."""
+        old, new = self.token, token
+
+        def rename(k: str) -> str:
+            return k.replace(old, new).replace(old[:12], new[:12])
+
+        subs: dict[str, Any] = {k: rename(k) for k in self.dsk}
+        for key, node in self.resident.items():
+            subs[key] = str(getattr(resident[node][0], "key", resident[node][0]))
+        base = next_base()
+        dsk: dict[str, Any] = {}
+        for k, t in self.dsk.items():
+            k1 = subs[k]
+            if isinstance(t, _Batch):
+                dsk[k1] = DataNode(k1, host_view(batch[t.node]))
+            elif isinstance(t, Task) and t.func is run_program:
+                prog: Program = t.args[0]
+                prog = dataclasses.replace(prog, key=k1, step=new)
+                args = [host_view(batch[a.node]) if isinstance(a, _Batch)
+                        else (TaskRef(subs.get(a.key, a.key)) if isinstance(a, TaskRef) else a)
+                        for a in t.args[2:]]
+                dsk[k1] = Task(k1, run_program, prog, TaskRef(subs[t.args[1].key]), *args)
+            elif isinstance(t, Task):
+                dsk[k1] = t.substitute(subs, key=k1)
+            else:
+                dsk[k1] = t
+        priority = {subs.get(k, k): (v - self.base + base if k in self.relative else v)
+                    for k, v in self.priority.items()}
+        where = {subs.get(k, k): w for k, w in self.where.items()}
+        graph = direct_layer(f"{self.name_prefix}-{new}", dsk, priority, where, self.slots)
+        keys = jax.tree_util.tree_map(
+            lambda k: OutKey(rename(k)) if isinstance(k, OutKey) else k, self.keys,
+            is_leaf=lambda x: x is None)
+        return graph, keys
+
+
+def lookup(key: str) -> StepTemplate | None:
+    """The template stored under `key` (None: lower the step and `store` it)."""
+    with _LOCK:
+        tpl = _CACHE.get(key)
+        if tpl is not None:
+            _CACHE.move_to_end(key)
+            _STATS["bound"] += 1
+        return tpl
+
+
+def store(key: str, tpl: StepTemplate) -> None:
+    """Keep `tpl` under `key` (the least recently used template goes beyond the bound)."""
+    with _LOCK:
+        _STATS["lowered"] += 1
+        _CACHE[key] = tpl
+        _CACHE.move_to_end(key)
+        while len(_CACHE) > TEMPLATE_CACHE_SIZE:
+            _CACHE.popitem(last=False)
+
+
+def clear() -> None:
+    """Forget every template (the next step of each kind is lowered again)."""
+    with _LOCK:
+        _CACHE.clear()
+        _STATS.update(lowered=0, bound=0)

@@ -1,0 +1,144 @@
+"""Compile once, run many: a direct-dispatch step with the structure of an earlier one binds
+that step's lowered graph (keys, batch, parameters) instead of being lowered again, and
+gives what a fresh build gives."""
+from __future__ import annotations
+
+from typing import Any
+
+import dask
+import jax
+import numpy as np
+import pytest
+
+import dagdiff as dd
+from dagdiff.lowering import template as templates
+from tests.test_pipeline import close, data, make_loss
+
+pytestmark = pytest.mark.distributed
+
+
+def _graph(out: Any) -> tuple[dict[str, Any], Any]:
+    (layer,) = out.__dask_graph__().layers.values()
+    return dict(layer), layer.annotations
+
+
+def _steps(client: Any, step: Any, args: list[tuple[Any, ...]]) -> list[Any]:
+    """Submit every step before reading any (steps in flight together)."""
+    futures = [client.compute(list(step(*a))) for a in args]
+    return [client.gather(f) for f in futures]
+
+
+def test_a_bound_step_is_the_step_a_fresh_build_gives(client2: Any) -> None:
+    """Same keys, same tasks and placement, priorities on a later base; its result equals
+    jax.value_and_grad; a lowered step leaves a template the next one binds."""
+    loss_fn = make_loss(2)
+    params, x, t = data(2, batch=16)
+    step = dd.value_and_grad(loss_fn, microbatches=4, schedule="1f1b")
+    templates.clear()
+    with client2.as_current():
+        with dask.config.set({"dagdiff.step-templates": False}):
+            fresh_l, _ = step(params, x, t)
+        x2 = x * 2.0
+        first, _ = step(params, x2 + 1.0, t)              # lowered: the template
+        bound_l, bound_g = step(params, x, t)             # bound to x
+        assert templates.stats()["lowered"] == 1 and templates.stats()["bound"] == 1
+        fresh, fa = _graph(fresh_l)
+        bound, ba = _graph(bound_l)
+        assert sorted(fresh) == sorted(bound) and bound_l.key == fresh_l.key
+        for k in fresh:
+            assert type(fresh[k]) is type(bound[k]), k
+            assert ba["resources"](k) == fa["resources"](k), k
+            assert set(getattr(fresh[k], "dependencies", ())) == set(
+                getattr(bound[k], "dependencies", ())), k
+        progs = [k for k in fresh if k.startswith("prog_")]
+        assert progs and all(ba["priority"](k) < fa["priority"](k) for k in progs)
+        got_l, got_g = client2.compute([bound_l, bound_g], sync=True)
+    want_l, want_g = jax.value_and_grad(loss_fn)(params, x, t)
+    np.testing.assert_allclose(got_l, want_l, rtol=1e-5)
+    close(got_g, want_g)
+
+
+def test_a_training_loop_binds_one_template_and_matches_jax(client2: Any) -> None:
+    """A notebook's loop: new batch values and new parameter arrays every step (updated on
+    the client), two steps in flight, the same step again: one lowering, every result
+    equal to jax.value_and_grad."""
+    loss_fn = make_loss(2)
+    params, x, t = data(2, batch=16)
+    step = dd.value_and_grad(loss_fn, microbatches=4, schedule="1f1b")
+    templates.clear()
+    with client2.as_current():
+        for i in range(4):
+            xs = [x * (1 + i + j) for j in range(2)]
+            got = _steps(client2, step, [(params, xb, t) for xb in xs])
+            for xb, (gl, gg) in zip(xs, got):
+                want_l, want_g = jax.value_and_grad(loss_fn)(params, xb, t)
+                np.testing.assert_allclose(gl, want_l, rtol=1e-5)
+                close(gg, want_g)
+            params = jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, got[0][1])
+        again = step(params, x, t)
+        first = client2.compute(list(again), sync=True)
+        second = client2.compute(list(again), sync=True)
+        np.testing.assert_allclose(first[0], second[0], rtol=0)
+    stats = templates.stats()
+    assert stats["lowered"] == 1 and stats["bound"] == 4 * 2
+
+
+def test_what_the_lowering_depends_on_gives_another_template(client2: Any) -> None:
+    """Another batch shape, another schedule, a config setting lowering reads: each is
+    lowered anew (and is right); back to the first binds the first template."""
+    loss_fn = make_loss(2)
+    params, x, t = data(2, batch=16)
+    templates.clear()
+    with client2.as_current():
+        runs = [
+            ({}, (params, x, t), "1f1b"),
+            ({}, (params, x[:8], t[:8]), "1f1b"),
+            ({}, (params, x, t), "gpipe"),
+            ({"dagdiff.fuse-loss-backward": False}, (params, x, t), "1f1b"),
+            ({}, (params, x * 3, t), "1f1b"),
+        ]
+        for cfg, args, schedule in runs:
+            with dask.config.set(cfg):
+                step = dd.value_and_grad(loss_fn, microbatches=4, schedule=schedule)
+                got_l, got_g = client2.compute(list(step(*args)), sync=True)
+            want_l, want_g = jax.value_and_grad(loss_fn)(*args)
+            np.testing.assert_allclose(got_l, want_l, rtol=1e-5)
+            close(got_g, want_g)
+    stats = templates.stats()
+    assert stats["lowered"] == 4 and stats["bound"] == 1
+
+
+def _announce(dask_scheduler: Any = None) -> None:
+    dask_scheduler.plugins["dagdiff-colocate-vjp"]._announce("add", "tcp://127.0.0.1:1")
+
+
+def test_the_worker_list_is_asked_once_until_the_scheduler_announces_a_change(
+        client2: Any, monkeypatch: Any) -> None:
+    """Building a step asks the scheduler for its workers once, then reads the client's
+    cached list until dagdiff's scheduler plugin announces a worker joining or leaving."""
+    import time
+
+    from dagdiff.cluster import info
+    from dagdiff.runtime.plugins import ensure_colocation
+
+    assert ensure_colocation(client2)
+    info.forget_workers(client2)
+    info.workers_info(client2, cached=True)
+    asked = []
+    real = client2.scheduler.identity
+
+    def identity(*a: Any, **k: Any) -> Any:
+        asked.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(client2.scheduler, "identity", identity)
+    for _ in range(3):
+        assert len(info.workers_info(client2, cached=True)) == 2
+    assert asked == []
+    assert len(info.workers_info(client2)) == 2 and asked == [1]      # not cached: asks
+    client2.run_on_scheduler(_announce)
+    deadline = time.monotonic() + 10
+    while client2 in info._CACHE and time.monotonic() < deadline:
+        time.sleep(0.02)
+    info.workers_info(client2, cached=True)
+    assert asked == [1, 1]
