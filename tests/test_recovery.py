@@ -367,3 +367,20 @@ def test_a_model_error_on_the_cluster_is_raised_not_retried(client2: Any) -> Non
         trainer.fit(batches, params=params, progress=False)
     assert trainer.recoveries == []
     assert len(dd.cluster.info.slot_names(client2)) == 2
+
+
+def test_a_failed_steps_state_given_to_step_says_to_recover() -> None:
+    """`step` from the state of a step whose loss reported a lost worker: a TrainerError
+    that names `trainer.recover(state)` (not a LostStateError about checkpoints)."""
+    import dataclasses
+    import types
+
+    params, batches = make_data(1)
+    trainer = dd.Trainer(loss_fn, optax.sgd(0.1))
+    trainer.client = object()                    # a stand-in: the check comes first
+    state = dataclasses.replace(trainer.init(params), placed={(0, 0): 1}, groups=((0,),),
+                                loss=types.SimpleNamespace(worker_lost=True,
+                                                           status="cancelled"))
+    model = trainer._model(batches[0])
+    with pytest.raises(dd.TrainerError, match=r"trainer\.recover\(state\)"):
+        trainer._restored(state, model)

@@ -57,6 +57,8 @@ class StepLoss(Future):
         super().__init__(key, client)
         self.step = step
         self.workers = tuple(sorted(set(workers)))
+        #: whether `result` found the step failed by a lost worker
+        self.worker_lost = False
 
     def result(self, timeout: float | None = None) -> Any:
         try:
@@ -70,6 +72,7 @@ class StepLoss(Future):
                 raise e from None
             if not gone:
                 raise
+            self.worker_lost = True
             raise WorkerLostError(
                 f"Trainer step {self.step} failed: worker(s) {', '.join(gone)} it ran on "
                 f"were lost ({type(e).__name__}: {str(e)[:300]}). Run it again from a "

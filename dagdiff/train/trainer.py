@@ -495,8 +495,7 @@ class Trainer:
         futures = [v for v in state.placed.values() if hasattr(v, "status")]
         if any(f.status in ("error", "cancelled", "lost") for f in futures):
             return False
-        loss = state.loss
-        if loss is not None and getattr(loss, "status", "finished") in ("error", "cancelled"):
+        if getattr(state.loss, "worker_lost", False):
             return False
         if any(f.status == "pending" for f in futures):
             return True
@@ -535,11 +534,11 @@ class Trainer:
         futures hear of it), instead of reading the futures' status."""
         assert state.placed is not None
         bad = [f for f in state.placed.values() if getattr(f, "status", "finished") == "error"]
-        if not bad and getattr(state.loss, "status", None) in ("error", "cancelled"):
+        if not bad and getattr(state.loss, "worker_lost", False):
             bad = [state.loss]                # its step failed: its values are not its own
         if bad and not ask:
             why = (f"{type(bad[0].exception()).__name__}: {str(bad[0].exception())[:300]}"
-                   if bad[0].status == "error" else "cancelled")
+                   if bad[0].status == "error" else "a worker it ran on was lost")
             raise TrainerError(
                 f"this state (step {state.step}) is the result of a step that failed ({why}); "
                 "after a lost worker, `state = trainer.recover(state)` makes it again, else "
