@@ -25,6 +25,7 @@ from .cluster.targets import Targets, resolve_targets
 from .core.auto import CostSource, auto_stages, is_cost_source
 from .core.backward import BackwardPlan, build_backward
 from .core.fuse import fuse_trace
+from .core.keys import make_key
 from .core.microbatch import microbatch_avals
 from .core.stage import check_stage
 from .core.trace_fn import argnames, argnums_of, check_loss, is_input, split_aux, trace_call
@@ -331,10 +332,12 @@ def build(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
         # lowered graph of an earlier step to this step's token, batch and parameters
         tkey = templates.template_key(
             trace, inputs, options.token(), tuple(sorted(model.batch)), mode,
-            program_homes(mode, targets), dict(targets.of), dask.config.get("dagdiff", {}))
+            program_homes(mode, targets), dict(targets.of), dask.config.get("dagdiff", {}),
+            templates.sharing({n: _key_of(v[0]) for n, v in inputs.items()}))
         tpl = templates.lookup(tkey)
         if tpl is not None:
-            graph, keys = tpl.bind(token, model.batch, inputs)
+            graph, keys = tpl.bind(token, model.batch, {n: _key_of(v[0])
+                                                        for n, v in inputs.items()})
             return Build(model, options, targets, graph, keys, token, mode)
 
     if options.pipelined:
@@ -352,9 +355,13 @@ def build(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
             graph, plan, prio, where = assemble_direct(
                 pg.dsk, pg.stage_of, targets, token, priority=pg.priority, direct=direct)
             if tkey is not None:
-                templates.store(tkey, templates.StepTemplate.capture(
+                tpl = templates.StepTemplate.capture(
                     token, "dagdiff", plan, prio, where, targets.kind == "slots",
-                    model.batch, trace, inputs, keys))
+                    {make_key("input", trace.nodes[i].path or "x", i, token): i
+                     for i in model.batch},
+                    {_key_of(f): n for n, (f, _) in inputs.items()}, keys)
+                if tpl is not None:
+                    templates.store(tkey, tpl)
         else:
             graph = assemble(pg.dsk, pg.stage_of, targets, token, priority=pg.priority,
                              direct=direct)
@@ -370,6 +377,11 @@ def build(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
             low.stage_of[key] = home.get(node)
         graph = assemble(low.dsk, low.stage_of, targets, token)
     return Build(model, options, targets, graph, keys, token, mode)
+
+
+def _key_of(ref: Any) -> str:
+    """The Dask key of a Future (or of a key given as such)."""
+    return str(getattr(ref, "key", ref))
 
 
 def replace_stages(trace: Trace, offset: int) -> Trace:

@@ -142,3 +142,33 @@ def test_the_worker_list_is_asked_once_until_the_scheduler_announces_a_change(
         time.sleep(0.02)
     info.workers_info(client2, cached=True)
     assert asked == [1, 1]
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_trainer_lowers_its_step_once_and_trains_like_optax(client4: Any,
+                                                              replicas: int) -> None:
+    """`Trainer.fit` (two steps in flight) and `step`: the first step is lowered, every
+    later one binds its template (new batch, the previous step's state); losses and
+    parameters equal plain JAX + optax (adam)."""
+    import optax
+
+    loss_fn = make_loss(2)
+    params, x, t = data(2, batch=16)
+    batches = [(x * (1 + i / 3), t) for i in range(5)]
+    opt = optax.adam(1e-2)
+    templates.clear()
+    trainer = dd.Trainer(loss_fn, opt, microbatches=2, schedule="1f1b", replicas=replicas,
+                         client=client4)
+    state, losses = trainer.fit(batches[:4], params=params, progress=False)
+    state, loss = trainer.step(state, *batches[4])
+    losses.append(float(loss.result()))
+    p, s, want = params, opt.init(params), []
+    for xb, tb in batches:
+        value, g = jax.value_and_grad(loss_fn)(p, xb, tb)
+        u, s = opt.update(g, s, p)
+        p = optax.apply_updates(p, u)
+        want.append(float(value))
+    np.testing.assert_allclose(losses, want, rtol=1e-5)
+    close(trainer.params(state), p)
+    stats = templates.stats()
+    assert stats["lowered"] == 1 and stats["bound"] == 4, stats

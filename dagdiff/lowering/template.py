@@ -24,14 +24,13 @@ import collections
 import dataclasses
 import hashlib
 import threading
-from typing import Any, Mapping
+from typing import Any, Hashable, Mapping
 
 import dask
 import jax
 from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
 
-from ..core.keys import make_key
 from ..core.tracer import Trace, Traced
 from ..runtime.direct import DirectGraph, Program, next_base, run_program
 from ..runtime.tasks import host_view
@@ -39,7 +38,8 @@ from ..runtime.taskspec import DataNode, Task, TaskRef
 from .graph import OutKey, direct_layer
 
 
-__all__ = ["StepTemplate", "template_key", "lookup", "store", "enabled", "clear", "stats",
+__all__ = ["StepTemplate", "template_key", "sharing", "lookup", "store", "enabled", "clear",
+           "stats",
            "TEMPLATE_CACHE_SIZE"]
 
 TEMPLATE_CACHE_SIZE = 64
@@ -84,72 +84,93 @@ def template_key(trace: Trace, resident: Mapping[int, Any], *parts: Any) -> str:
     return h.hexdigest()
 
 
-@dataclasses.dataclass(frozen=True)
-class _Batch:
-    """Where a template's graph held the batch value of input node `node`."""
+def sharing(refs: Mapping[Hashable, str]) -> tuple[tuple[Hashable, ...], ...]:
+    """Which slots of `refs` (slot -> Future key) name the same Future: part of a template
+    key, since a template binds one Future per distinct key it was made with."""
+    groups: dict[str, list[Hashable]] = {}
+    for slot, key in refs.items():
+        groups.setdefault(key, []).append(slot)
+    return tuple(sorted(tuple(sorted(g, key=repr)) for g in groups.values() if len(g) > 1))
 
-    node: int
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    """Where a template's graph held a bound value (a batch array, or its shard)."""
+
+    slot: Hashable
 
 
 @dataclasses.dataclass(frozen=True)
 class StepTemplate:
-    """A lowered direct-dispatch step, with its token, batch values and resident keys as
-    holes to fill (`bind`)."""
+    """A lowered direct-dispatch step, with its token, input values and referenced
+    Futures as holes to fill (`bind`)."""
 
     token: str
     name_prefix: str
-    dsk: Mapping[str, Any]                   # keys with `token`; batch values are `_Batch`
+    dsk: Mapping[str, Any]                   # keys with `token`; bound values are `_Slot`
     priority: Mapping[str, int]              # per key, relative to `base` where in `relative`
     relative: frozenset[str]
     base: int
     where: Mapping[str, str]
     slots: bool
-    resident: Mapping[str, int]              # resident Future key -> its input node
+    refs: Mapping[str, Hashable]             # a referenced Future's key -> its slot
     keys: Any                                # the outputs' pytree, `OutKey` leaves
 
     @classmethod
     def capture(cls, token: str, name: str, plan: DirectGraph, priority: Mapping[str, int],
-                where: Mapping[str, str], slots: bool, batch: Mapping[int, Any],
-                trace: Trace, resident: Mapping[int, Any], keys: Any) -> "StepTemplate":
-        """The template of a step just built (`plan`: its rewritten graph) with `token`."""
-        inputs = {make_key("input", trace.nodes[i].path or "x", i, token): i for i in batch}
+                where: Mapping[str, str], slots: bool, inputs: Mapping[str, Hashable],
+                refs: Mapping[str, Hashable], keys: Any) -> "StepTemplate | None":
+        """The template of a step just built with `token` (`plan`: its rewritten graph).
+        `inputs`: the keys of the data nodes that hold bound values (-> their slot);
+        `refs`: the keys of referenced Futures that are bound (-> their slot). None when
+        an input is not where a template can bind it (then the step is not kept)."""
         dsk: dict[str, Any] = {}
+        seen: set[str] = set()
         for k, t in plan.dsk.items():
             if isinstance(t, DataNode) and k in inputs:
-                dsk[k] = _Batch(inputs[k])
+                dsk[k] = _Slot(inputs[k])
+                seen.add(k)
             elif isinstance(t, Task) and t.func is run_program:
                 prog: Program = t.args[0]
-                args = [_Batch(inputs[s]) if s in inputs else a
-                        for s, a in zip(prog.statics, t.args[2:])]
+                args = []
+                for s, a in zip(prog.statics, t.args[2:]):
+                    if s in inputs:
+                        args.append(_Slot(inputs[s]))
+                        seen.add(s)
+                    else:
+                        args.append(a)
                 dsk[k] = Task(k, run_program, *t.args[:2], *args)
             else:
                 dsk[k] = t
+        if seen != set(inputs):
+            return None
         return cls(token, name, dsk, dict(priority), frozenset(plan.priority), plan.base,
-                   dict(where), slots, {str(getattr(f, "key", f)): n
-                                        for n, (f, _) in resident.items()}, keys)
+                   dict(where), slots, dict(refs), keys)
 
-    def bind(self, token: str, batch: Mapping[int, Any], resident: Mapping[int, Any]
-             ) -> tuple[HighLevelGraph, Any]:
-        """The step's graph and output keys for `token`, with `batch`'s values and the
-        `resident` inputs' Futures (node -> (Future, leaf)) in place of the template's."""
+    def bind(self, token: str, values: Mapping[Hashable, Any], refs: Mapping[Hashable, str],
+             keys: Mapping[str, str] | None = None) -> tuple[HighLevelGraph, Any]:
+        """The step's graph and output keys for `token`, with `values` (slot -> value) and
+        `refs` (slot -> Future key) in place of the template's; `keys`: template keys
+        renamed otherwise than by token (e.g. a key naming the step's number)."""
         old, new = self.token, token
 
         def rename(k: str) -> str:
             return k.replace(old, new).replace(old[:12], new[:12])
 
         subs: dict[str, Any] = {k: rename(k) for k in self.dsk}
-        for key, node in self.resident.items():
-            subs[key] = str(getattr(resident[node][0], "key", resident[node][0]))
+        for key, slot in self.refs.items():
+            subs[key] = refs[slot]
+        subs.update(keys or {})
         base = next_base()
         dsk: dict[str, Any] = {}
         for k, t in self.dsk.items():
             k1 = subs[k]
-            if isinstance(t, _Batch):
-                dsk[k1] = DataNode(k1, host_view(batch[t.node]))
+            if isinstance(t, _Slot):
+                dsk[k1] = DataNode(k1, host_view(values[t.slot]))
             elif isinstance(t, Task) and t.func is run_program:
                 prog: Program = t.args[0]
                 prog = dataclasses.replace(prog, key=k1, step=new)
-                args = [host_view(batch[a.node]) if isinstance(a, _Batch)
+                args = [host_view(values[a.slot]) if isinstance(a, _Slot)
                         else (TaskRef(subs.get(a.key, a.key)) if isinstance(a, TaskRef) else a)
                         for a in t.args[2:]]
                 dsk[k1] = Task(k1, run_program, prog, TaskRef(subs[t.args[1].key]), *args)
@@ -161,10 +182,10 @@ class StepTemplate:
                     for k, v in self.priority.items()}
         where = {subs.get(k, k): w for k, w in self.where.items()}
         graph = direct_layer(f"{self.name_prefix}-{new}", dsk, priority, where, self.slots)
-        keys = jax.tree_util.tree_map(
-            lambda k: OutKey(rename(k)) if isinstance(k, OutKey) else k, self.keys,
-            is_leaf=lambda x: x is None)
-        return graph, keys
+        out = jax.tree_util.tree_map(
+            lambda k: OutKey(subs.get(k, rename(k))) if isinstance(k, OutKey) else k,
+            self.keys, is_leaf=lambda x: x is None)
+        return graph, out
 
 
 def lookup(key: str) -> StepTemplate | None:

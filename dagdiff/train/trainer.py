@@ -48,7 +48,8 @@ from ..core.keys import make_key
 from ..core.tracer import home_stages
 from ..errors import ArgumentError, LostStateError, MicrobatchError, PlacementError, TrainerError
 from ..extras import available, require
-from ..lowering.graph import OutKey, assemble, to_delayed
+from ..lowering import template as templates
+from ..lowering.graph import OutKey, assemble, assemble_direct, to_delayed
 from ..lowering.pipeline import lower_pipeline, stage_workers
 from ..runtime.direct import RESOURCE_SHARE
 from ..runtime.tasks import mean_task
@@ -344,6 +345,56 @@ class Trainer:
         token = step_token(model.model.trace, ("step", self.options.token()), state.step,
                            self._uid, _state_identity(state), _batch_token(batch),
                            program_homes("direct" if direct else "", targets))
+        graph, out_keys, order = self._step_graph(model, state, batch, token, targets, direct)
+        outs = to_delayed(graph, out_keys)
+        if self.client is None:
+            values = dask.compute(*outs, scheduler="threads")
+        else:
+            values = self.client.compute(outs)
+        loss = values[0]
+        placed = dict(zip(order, values[1:]))
+        lineage = self._lineage(state, batch)
+        where = {}
+        backup = None
+        if self.client is not None:
+            where = {(r, g): a for (r, g) in placed
+                     if (a := _address(targets, model.group_stage[g] + r * p)) is not None}
+            loss = StepLoss(loss.key, self.client, state.step, set(where.values()))
+            if (self.recovering and r_count == 1    # replicas hold each other's copies
+                    and (state.step + 1) % self.copy_every == 0):
+                backup = self._copies(placed, model, targets, token)
+        self._last = TrainState(state.step + 1, groups=model.groups, placed=placed,
+                                owner=self._ref, backup=backup, where=where,
+                                lineage=lineage if self.client is not None else None,
+                                loss=loss)
+        return self._last, loss
+
+    def _step_graph(self, model: "_Model", state: TrainState, batch: Sequence[Any],
+                    token: str, targets: Targets, direct: bool
+                    ) -> tuple[Any, list[OutKey], list[tuple[int, int]]]:
+        """The step's graph, its output keys (the loss, then each new state value) and
+        the (replica, group) of each new state value. With direct dispatch on a cluster,
+        bound to the template of an earlier step of this trainer with the same structure
+        and workers (`lowering.template`), or lowered and kept as one."""
+        r_count, m, p = self.replicas, self.microbatches, model.p
+        leaves = self._batch_leaves(model, batch)
+        tkey = None
+        if direct and self.client is not None and templates.enabled():
+            tkey = templates.template_key(
+                model.model.trace, {}, "trainer", self._uid, self.options.token(), r_count,
+                m, p, model.groups, tuple(sorted(state.placed or {})),
+                program_homes("direct", targets), dict(targets.of),
+                dask.config.get("dagdiff", {}),
+                templates.sharing({rg: str(v.key) for rg, v in (state.placed or {}).items()}))
+            tpl = templates.lookup(tkey)
+            if tpl is not None:
+                values = {(r, node): _shard(x, self.options.batch_axis, r, r_count)
+                          for r in range(r_count) for node, x in zip(model.batch_nodes, leaves)}
+                refs = {rg: str(v.key) for rg, v in (state.placed or {}).items()}
+                lk = make_key("loss", "step", state.step, token)
+                graph, keys = tpl.bind(token, values, refs, {tpl.keys[0]: lk})
+                order = [(r, g) for r in range(r_count) for g in range(len(model.groups))]
+                return graph, keys, order
         dsk: dict[str, Any] = {}
         stage_of: dict[str, int | None] = {}
         priority: dict[str, int] = {}
@@ -357,7 +408,6 @@ class Trainer:
             else:
                 state_refs[(r, g)] = value
         replica_loss, replica_grads = [], []
-        leaves = self._batch_leaves(model, batch)
         for r in range(r_count):
             resident = {}
             for g, group in enumerate(model.groups):
@@ -398,30 +448,26 @@ class Trainer:
         # direct dispatch: the new parameters come straight from their stage's program
         # (the next step's program on that worker reads them without a cross-worker
         # Dask edge); the loss waits for the whole step
-        graph = assemble(dsk, stage_of, targets, token, priority=priority,
-                         direct={lk} if direct else None, outputs=set(new_placed.values()))
-        outs = to_delayed(graph, [OutKey(lk)] + [OutKey(k) for k in new_placed.values()])
-        if self.client is None:
-            values = dask.compute(*outs, scheduler="threads")
-        else:
-            values = self.client.compute(outs)
-        loss = values[0]
-        placed = dict(zip(new_placed, values[1:]))
-        lineage = self._lineage(state, batch)
-        where = {}
-        backup = None
-        if self.client is not None:
-            where = {(r, g): a for (r, g) in placed
-                     if (a := _address(targets, model.group_stage[g] + r * p)) is not None}
-            loss = StepLoss(loss.key, self.client, state.step, set(where.values()))
-            if (self.recovering and r_count == 1    # replicas hold each other's copies
-                    and (state.step + 1) % self.copy_every == 0):
-                backup = self._copies(placed, model, targets, token)
-        self._last = TrainState(state.step + 1, groups=model.groups, placed=placed,
-                                owner=self._ref, backup=backup, where=where,
-                                lineage=lineage if self.client is not None else None,
-                                loss=loss)
-        return self._last, loss
+        order = [(r, g) for r in range(r_count) for g in range(len(model.groups))]
+        out_keys = [OutKey(lk)] + [OutKey(new_placed[rg]) for rg in order]
+        if not direct or targets.kind not in ("slots", "workers"):
+            graph = assemble(dsk, stage_of, targets, token, priority=priority,
+                             direct={lk} if direct else None, outputs=set(new_placed.values()))
+            return graph, out_keys, order
+        graph, plan, prio, where = assemble_direct(
+            dsk, stage_of, targets, token, priority=priority, direct={lk},
+            outputs=set(new_placed.values()))
+        if tkey is not None:
+            trace = model.model.trace
+            inputs = {make_key("input", trace.nodes[n].path or "x", n, f"{token[:12]}{r:04x}"):
+                      (r, n) for r in range(r_count) for n in model.batch_nodes}
+            refs = {str(v.key): rg for rg, v in (state.placed or {}).items()}
+            tpl = templates.StepTemplate.capture(token, "dagdiff", plan, prio, where,
+                                                 targets.kind == "slots", inputs, refs,
+                                                 out_keys)
+            if tpl is not None:
+                templates.store(tkey, tpl)
+        return graph, out_keys, order
 
     def _lineage(self, before: TrainState, batch: Sequence[Any]) -> Lineage | None:
         """How the state a step from `before` on `batch` makes can be made again: from
