@@ -115,3 +115,17 @@ def config_loss(params: Any, x: Any, t: Any, cfg: Any) -> Any:
         p = params[i % len(params)]
         h = dense(p, h) + h if cfg["residual"] else dense(p, h)
     return mse(h, t)
+
+
+def optax_reference(loss_fn: Any, opt: Any, params: Any, batches: Any) -> tuple[Any, list[float]]:
+    """Plain JAX + optax over `batches`: the parameters after the last step and each
+    step's loss (the reference for a Trainer's steps)."""
+    import optax
+
+    state, losses = opt.init(params), []
+    for batch in batches:
+        value, g = jax.value_and_grad(loss_fn)(params, *batch)
+        updates, state = opt.update(g, state, params)
+        params = optax.apply_updates(params, updates)
+        losses.append(float(value))
+    return params, losses

@@ -12,6 +12,7 @@ import pytest
 from distributed import Client
 
 import dagdiff as dd
+from tests.models import optax_reference
 from tests.test_pipeline import close, data, make_loss
 
 pytestmark = pytest.mark.distributed
@@ -32,18 +33,6 @@ def _matches_jax(fn: Any, args: tuple[Any, ...], got: tuple[Any, Any]) -> None:
     want_l, want_g = jax.value_and_grad(fn)(*args)
     np.testing.assert_allclose(got[0], want_l, rtol=1e-5)
     close(got[1], want_g)
-
-
-def _sgd_steps(loss_fn: Any, params: Any, batches: list[Any], lr: float) -> tuple[Any, list]:
-    """Plain JAX + optax: the reference for a Trainer's steps."""
-    opt = optax.sgd(lr)
-    s, losses = opt.init(params), []
-    for x, t in batches:
-        loss, g = jax.value_and_grad(loss_fn)(params, x, t)
-        u, s = opt.update(g, s, params)
-        params = optax.apply_updates(params, u)
-        losses.append(float(loss))
-    return params, losses
 
 
 def _a_trainer_step_from(other: Client, loss_fn: Any, args: tuple[Any, ...]) -> float:
@@ -96,7 +85,7 @@ def test_closing_another_client_leaves_pipelined_steps_working(client: Client) -
         trainer = dd.Trainer(loss_fn, optax.sgd(0.1), microbatches=2, schedule="1f1b",
                              client=client)
         state, losses = trainer.fit(batches, progress=False, params=params)
-        want_p, want_losses = _sgd_steps(loss_fn, params, batches, 0.1)
+        want_p, want_losses = optax_reference(loss_fn, optax.sgd(0.1), params, batches)
         np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
         close(trainer.params(state), want_p)
 

@@ -317,13 +317,7 @@ def test_a_step_loop_survives_lost_workers_with_trainer_recover(cluster_client: 
         assert state.step == i + 1
     assert failed, "no kill hit a step"
     assert len(trainer.recoveries) == len(failed)
-    want = []
-    p, s = params, opt.init(params)
-    for x, t in batches:
-        value, g = jax.value_and_grad(loss_fn)(p, x, t)
-        u, s = opt.update(g, s, p)
-        p = optax.apply_updates(p, u)
-        want.append(float(value))
+    p, want = M.optax_reference(loss_fn, opt, params, batches)
     np.testing.assert_allclose(losses, want, rtol=1e-5)
     close(trainer.params(state), p, rtol=2e-4, atol=2e-5)
     assert trainer.recover(state) is state                # nothing lost: the same state

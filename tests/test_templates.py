@@ -12,6 +12,7 @@ import pytest
 
 import dagdiff as dd
 from dagdiff.lowering import template as templates
+from tests.models import optax_reference
 from tests.test_pipeline import close, data, make_loss
 
 pytestmark = pytest.mark.distributed
@@ -162,12 +163,7 @@ def test_a_trainer_lowers_its_step_once_and_trains_like_optax(client4: Any,
     state, losses = trainer.fit(batches[:4], params=params, progress=False)
     state, loss = trainer.step(state, *batches[4])
     losses.append(float(loss.result()))
-    p, s, want = params, opt.init(params), []
-    for xb, tb in batches:
-        value, g = jax.value_and_grad(loss_fn)(p, xb, tb)
-        u, s = opt.update(g, s, p)
-        p = optax.apply_updates(p, u)
-        want.append(float(value))
+    p, want = optax_reference(loss_fn, opt, params, batches)
     np.testing.assert_allclose(losses, want, rtol=1e-5)
     close(trainer.params(state), p)
     stats = templates.stats()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, Mapping
 
 import dask
 import numpy as np
@@ -56,14 +56,17 @@ class Lowered:
         return key
 
 
-def trace_token(trace: Trace, extra: Any = None) -> str:
+def trace_token(trace: Trace, extra: Any = None, bound: Mapping[int, Any] | None = None
+                ) -> str:
     """A deterministic token for a trace: its structure and its input values.
 
     The structure is hashed as one string (fast for 10,000-call graphs); only input
     values and array constants go through `dask.base.tokenize` (cached per jax array).
-    """
+    `bound`: input nodes whose value is left out (only their avals and the value of the
+    mapping count), as a step template binds them."""
     lines: list[str] = [trace.name, repr(extra)]
     values: list[Any] = []
+    bound = bound or {}
     for n in trace.nodes:
         if n.kind == "call":
             refs = ",".join(f"{x.node}.{x.leaf}" if isinstance(x, Traced) else "c"
@@ -71,6 +74,8 @@ def trace_token(trace: Trace, extra: Any = None) -> str:
             lines.append(f"{n.spec.fingerprint}|{n.stage}|{refs}")
             values.extend(x for x, k in zip(n.in_leaves, n.spec.kinds)
                           if k == "d" and not isinstance(x, Traced))
+        elif n.index in bound:
+            lines.append(f"{n.kind}|{n.path}|bound|{n.out_avals}|{bound[n.index]!r}")
         else:
             lines.append(f"{n.kind}|{n.path}")
             values.append(n.value)

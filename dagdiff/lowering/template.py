@@ -22,20 +22,19 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 import threading
 from typing import Any, Hashable, Mapping
 
 import dask
 import jax
-from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
 
-from ..core.tracer import Trace, Traced
+from ..core.tracer import Trace
 from ..runtime.direct import DirectGraph, Program, next_base, run_program
 from ..runtime.tasks import host_view
 from ..runtime.taskspec import DataNode, Task, TaskRef
 from .graph import OutKey, direct_layer
+from .lower import trace_token
 
 
 __all__ = ["StepTemplate", "template_key", "sharing", "lookup", "store", "enabled", "clear",
@@ -63,25 +62,9 @@ def enabled() -> bool:
 def template_key(trace: Trace, resident: Mapping[int, Any], *parts: Any) -> str:
     """What a step's lowering depends on besides its token, batch values and resident
     Futures: the trace's structure and avals, the values of every other input and array
-    constant, which inputs are resident, and `parts` (options, dispatch mode, workers,
-    the settings lowering reads)."""
-    lines: list[str] = [trace.name]
-    values: list[Any] = []
-    for n in trace.nodes:
-        if n.kind == "call":
-            refs = ",".join(f"{x.node}.{x.leaf}" if isinstance(x, Traced) else "c"
-                            for x, k in zip(n.in_leaves, n.spec.kinds) if k == "d")
-            lines.append(f"{n.spec.fingerprint}|{n.stage}|{refs}")
-            values.extend(x for x, k in zip(n.in_leaves, n.spec.kinds)
-                          if k == "d" and not isinstance(x, Traced))
-        elif n.index in resident:
-            lines.append(f"{n.kind}|{n.path}|resident|{n.out_avals}|{resident[n.index][1]}")
-        else:
-            lines.append(f"{n.kind}|{n.path}")
-            values.append(n.value)
-    h = hashlib.blake2b("\n".join(lines).encode(), digest_size=16)
-    h.update(tokenize(*values, *parts, ensure_deterministic=False).encode())
-    return h.hexdigest()
+    constant, which inputs are resident (and which leaf of their Future each reads), and
+    `parts` (options, dispatch mode, workers, the settings lowering reads)."""
+    return trace_token(trace, parts, bound={n: leaf for n, (_, leaf) in resident.items()})
 
 
 def sharing(refs: Mapping[Hashable, str]) -> tuple[tuple[Hashable, ...], ...]:

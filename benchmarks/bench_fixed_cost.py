@@ -1,0 +1,140 @@
+"""A step's fixed cost: where the time of a step with (almost) no compute goes, with step
+templates (compile once, run many) against lowering every step, on one cluster in turns.
+
+The job: the issue's tiny job by default (--width 64 --batch 64 --layers 4, 2 stages,
+1F1B x --microbatches 8) on `dd.local_cluster(2)`. For each mode, in alternating rounds
+(A, B, A, B, ...; dask config ``dagdiff.step-templates`` on / off), the median of --steps
+steps of:
+  value_and_grad  trace + build (`step(params, x, t)`), submit (`client.compute` of the
+                  loss and every gradient leaf), and the wait for them: the three parts and
+                  the whole step;
+  trainer.step    `state, loss = trainer.step(state, x, t); loss.result()` (sgd);
+  fit             `trainer.fit` over --steps batches (two steps in flight): per step.
+Then the ratio templates / lowering of each. A real job's compute adds to the wait only.
+Usage: python benchmarks/bench_fixed_cost.py [--width 64] [--batch 64] [--layers 4]
+       [--microbatches 8] [--steps 20] [--rounds 3]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+from typing import Any
+
+import dask
+import jax
+import optax
+
+import dagdiff as dd
+from dagdiff.lowering import template as templates
+
+try:
+    from common import mlp_data, two_stage_loss
+except ImportError:                       # run from the repository root
+    from benchmarks.common import mlp_data, two_stage_loss
+
+
+class GcClock:
+    """Time the client process spends in the cyclic garbage collector (gc.callbacks)."""
+
+    def __init__(self) -> None:
+        self.seconds, self.full, self._t0 = 0.0, 0, 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t0
+            self.full += info.get("generation") == 2
+
+
+def value_and_grad_parts(client: Any, step: Any, params: Any, batches: list[Any],
+                         n: int) -> dict[str, float]:
+    parts: dict[str, list[float]] = {"build": [], "submit": [], "wait": [], "step": []}
+    for i in range(n):
+        x, t = batches[i % len(batches)]
+        t0 = time.perf_counter()
+        loss, grads = step(params, x, t)
+        t1 = time.perf_counter()
+        futures = client.compute([loss, grads])
+        t2 = time.perf_counter()
+        client.gather(futures)
+        t3 = time.perf_counter()
+        for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
+            parts[k].append(v)
+    return {k: statistics.median(v) for k, v in parts.items()}
+
+
+def trainer_steps(client: Any, cfg: argparse.Namespace, params: Any, batches: list[Any],
+                  n: int) -> dict[str, float]:
+    trainer = dd.Trainer(two_stage_loss, optax.sgd(1e-3), microbatches=cfg.microbatches,
+                         schedule="1f1b", client=client)
+    state = trainer.init(params)
+    state, loss = trainer.step(state, *batches[0])      # places the state, compiles
+    loss.result()
+    times = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        state, loss = trainer.step(state, *batches[i % len(batches)])
+        loss.result()
+        times.append(time.perf_counter() - t0)
+    fits = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        state, _ = trainer.fit([batches[i % len(batches)] for i in range(n)], state=state,
+                               progress=False)
+        fits.append((time.perf_counter() - t0) / n)
+    return {"trainer.step": statistics.median(times), "fit": min(fits)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--width", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=3)
+    cfg = ap.parse_args()
+    from distributed import Client
+
+    cluster = dd.local_cluster(n_workers=2, dashboard_address=None, quiet=True)
+    client = Client(cluster)
+    params, batches = mlp_data(cfg.width, cfg.batch, cfg.layers, batches=4)
+    step = dd.value_and_grad(two_stage_loss, microbatches=cfg.microbatches, schedule="1f1b")
+    with dask.config.set({"dagdiff.step-templates": False}):
+        value_and_grad_parts(client, step, params, batches, 3)          # compile, warm up
+    rows: dict[str, dict[str, list[float]]] = {"templates": {}, "lowering": {}}
+    for r in range(cfg.rounds):
+        for mode in ("templates", "lowering"):
+            with dask.config.set({"dagdiff.step-templates": mode == "templates"}):
+                templates.clear()
+                clock = GcClock()
+                gc.callbacks.append(clock)
+                try:
+                    got = value_and_grad_parts(client, step, params, batches, cfg.steps)
+                    got.update(trainer_steps(client, cfg, params, batches, cfg.steps))
+                finally:
+                    gc.callbacks.remove(clock)
+                # per step of the 4 * steps the round ran (value_and_grad, step, 2 fits)
+                got["client gc"] = clock.seconds / (4 * cfg.steps)
+            for k, v in got.items():
+                rows[mode].setdefault(k, []).append(v)
+        print(f"round {r + 1}: " + ", ".join(
+            f"{k} {1e3 * rows['templates'][k][-1]:.1f} / {1e3 * rows['lowering'][k][-1]:.1f} ms"
+            for k in rows["templates"]), flush=True)
+    print(f"\n{cfg.layers} layers x {cfg.width}, batch {cfg.batch}, 2 stages, 1F1B x "
+          f"{cfg.microbatches}; median of {cfg.steps} steps, median of {cfg.rounds} rounds")
+    print(f"{'':16s} {'templates':>10s} {'lowering':>10s} {'ratio':>7s}")
+    for k in rows["templates"]:
+        a = statistics.median(rows["templates"][k])
+        b = statistics.median(rows["lowering"][k])
+        print(f"{k:16s} {1e3 * a:8.1f} ms {1e3 * b:8.1f} ms {a / b:7.2f}")
+    client.close()
+    cluster.close()
+
+
+if __name__ == "__main__":
+    jax.config.update("jax_platforms", "cpu")
+    main()
