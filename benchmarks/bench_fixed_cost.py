@@ -10,9 +10,15 @@ steps of:
                   the whole step;
   trainer.step    `state, loss = trainer.step(state, x, t); loss.result()` (sgd);
   fit             `trainer.fit` over --steps batches (two steps in flight): per step.
-Then the ratio templates / lowering of each. A real job's compute adds to the wait only.
+Then the ratio templates / lowering of each, and the client's time in the cyclic garbage
+collector per step. A real job's compute adds to the wait only.
+
+--scale P:M [P:M ...]: instead, per (p, m), on an in-process cluster of p workers with
+zero-time sleep stages (`dagdiff.examples.simulated`, so this measures building and dispatch
+only): the first build (trace + lower + rewrite), its run, and a later step's build from
+the template (new batch), with their ratio; each build's time per p * m.
 Usage: python benchmarks/bench_fixed_cost.py [--width 64] [--batch 64] [--layers 4]
-       [--microbatches 8] [--steps 20] [--rounds 3]
+       [--microbatches 8] [--steps 20] [--rounds 3] [--scale 4:16 16:64 64:256]
 """
 from __future__ import annotations
 
@@ -88,6 +94,42 @@ def trainer_steps(client: Any, cfg: argparse.Namespace, params: Any, batches: li
     return {"trainer.step": statistics.median(times), "fit": min(fits)}
 
 
+def scale(pairs: list[str]) -> None:
+    import jax.numpy as jnp
+    from distributed import Client
+
+    from dagdiff.examples.simulated import sleepy_pipeline
+
+    print(f"{'p':>4s} {'m':>5s} {'first build':>12s} {'first run':>10s} {'bound build':>12s} "
+          f"{'bound/first':>12s} {'first/(p*m)':>12s}")
+    for pair in pairs:
+        p, m = map(int, pair.split(":"))
+        cluster = dd.local_cluster(n_workers=p, dashboard_address=None, quiet=True,
+                                   processes=False)
+        client = Client(cluster, set_as_default=False)
+        fn = sleepy_pipeline(p, 0.0)
+        params = [jnp.float32(1.0)] * p
+        step = dd.value_and_grad(fn, microbatches=m, schedule="1f1b")
+        templates.clear()
+        with client.as_current():
+            t0 = time.perf_counter()
+            out = step(params, jnp.ones((m, 2)))
+            t1 = time.perf_counter()
+            client.compute(list(out), sync=True)
+            t2 = time.perf_counter()
+            bound = []
+            for i in range(3):
+                t3 = time.perf_counter()
+                step(params, jnp.ones((m, 2)) * (i + 2))
+                bound.append(time.perf_counter() - t3)
+        b = statistics.median(bound)
+        print(f"{p:4d} {m:5d} {1e3 * (t1 - t0):10.1f} ms {1e3 * (t2 - t1):8.1f} ms "
+              f"{1e3 * b:10.1f} ms {b / (t1 - t0):12.3f} {1e6 * (t1 - t0) / (p * m):9.1f} us",
+              flush=True)
+        client.close()
+        cluster.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--width", type=int, default=64)
@@ -96,7 +138,11 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--scale", nargs="+", default=None, metavar="P:M")
     cfg = ap.parse_args()
+    if cfg.scale:
+        scale(cfg.scale)
+        return
     from distributed import Client
 
     cluster = dd.local_cluster(n_workers=2, dashboard_address=None, quiet=True)

@@ -291,7 +291,7 @@ class Trainer:
         default = (stage_workers(self.schedule, model.p, self.replicas)
                    if self.schedule is not None else None)
         deadline = time.monotonic() + timeout
-        waited = False
+        waited = again = False
         while True:
             try:
                 targets = resolve_targets(stages, self.client, dict(self.options.placement),
@@ -299,6 +299,9 @@ class Trainer:
             except PlacementError:
                 missing = (self._slots_seen - set(slot_names(self.client).values())
                            if self.recovering and self.client is not None else set())
+                if not missing and self.recovering and not again:
+                    again = True                  # a replacement joined since: place again
+                    continue
                 if not missing or time.monotonic() >= deadline:
                     raise
                 if not waited:
