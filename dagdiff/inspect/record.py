@@ -3,6 +3,7 @@ draws them as a pipeline diagram (one row per worker), `bubble_fraction` measure
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import threading
@@ -356,10 +357,14 @@ def _from_stream(rec: Recording, data: list[dict[str, Any]],
     """Rows of `rec` from task-stream records. A record comes when a task finishes and
     carries every start/stop its worker kept for that key, earlier runs of the same key
     too (a step computed a second time): each record adds only its own run, the last
-    compute and the transfers after the compute before it."""
+    compute and the transfers after the compute before it. A direct-dispatch program's
+    records in the recording are its worker's last runs of it, in order: the j-th of n
+    shows the actions of run ``len(runs) - n + j``."""
     rows = []
     logs = logs or {}
-    used: set[tuple[str, str, int]] = set()          # (worker, program, run) already shown
+    count = collections.Counter((d["worker"], d["key"]) for d in data
+                                if d["key"] in logs.get(d["worker"], {}).get("programs", {}))
+    seen: collections.Counter[tuple[str, Any]] = collections.Counter()
     for d in data:
         log = logs.get(d["worker"], {})
         programs, starts = log.get("programs", {}), log.get("starts", {})
@@ -367,11 +372,13 @@ def _from_stream(rec: Recording, data: list[dict[str, Any]],
             action = ss.get("action")
             if action == "compute" and d["key"] in programs:
                 # a direct-dispatch program: a row per action of this run, on its worker
-                n = _run_within(ss, programs[d["key"]])
-                if n is None or (d["worker"], d["key"], n) in used:
+                runs = programs[d["key"]]
+                wk = (d["worker"], d["key"])
+                n = len(runs) - count[wk] + seen[wk]
+                seen[wk] += 1
+                if not 0 <= n < len(runs):
                     continue
-                used.add((d["worker"], d["key"], n))
-                for key, start, stop in programs[d["key"]][n]:
+                for key, start, stop in runs[n]:
                     rows.append((key, d["worker"], start, stop, *_classify(key)))
             elif action == "compute":
                 known = starts.get(d["key"], [])
@@ -398,14 +405,6 @@ def _own_run(startstops: Any) -> list[dict[str, Any]]:
         return ss
     first = computes[-2] + 1 if len(computes) > 1 else 0
     return ss[first:computes[-1] + 1]
-
-
-def _run_within(ss: dict[str, Any], runs: list[list[tuple[str, float, float]]],
-                slack: float = 0.05) -> int | None:
-    """The index of the program run whose first action began during the compute `ss`."""
-    inside = [n for n, r in enumerate(runs)
-              if r and ss["start"] - slack <= r[0][1] <= ss["stop"] + slack]
-    return min(inside, key=lambda n: abs(runs[n][0][1] - ss["start"])) if inside else None
 
 
 def _closest(t: float, times: list[float], within: float = 0.5) -> int | None:
