@@ -46,7 +46,8 @@ from ..cluster.info import (
 from ..cluster.targets import Targets, resolve_targets
 from ..core.keys import make_key
 from ..core.tracer import home_stages
-from ..errors import ArgumentError, LostStateError, MicrobatchError, PlacementError, TrainerError
+from ..errors import (ArgumentError, LostStateError, MicrobatchError, PlacementError,
+                      TrainerError, WorkerLostError)
 from ..extras import available, require
 from ..lowering import template as templates
 from ..lowering.graph import OutKey, assemble, assemble_direct, to_delayed
@@ -693,8 +694,9 @@ class Trainer:
             if not self.recovering or self.client is None or retries >= self.max_retries:
                 raise error
             t0, wall = time.monotonic(), time.time()
-            gone = lost_workers(self.client, set((entry.after.where or {}).values()),
-                                wait=10.0 if may_be_a_lost_worker(error) else 0.0)
+            gone = (error.workers if isinstance(error, WorkerLostError)  # the loss found them
+                    else lost_workers(self.client, set((entry.after.where or {}).values()),
+                                      wait=10.0 if may_be_a_lost_worker(error) else 0.0))
             if not gone:
                 raise error                           # the model failed, not a worker
             retries += 1
