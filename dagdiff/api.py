@@ -9,8 +9,7 @@ from typing import Any, Callable, Mapping, Sequence
 import dask
 
 from .build import Options, build
-from .cluster.info import (current_client, forget_workers, lost_workers, may_be_a_lost_worker,
-                           wait_for_slots)
+from .cluster.info import current_client, forget_workers, lost_workers, may_be_a_lost_worker
 from .inspect.graph import TracedGraph
 
 
@@ -76,8 +75,9 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
     def compute(*args: Any, retries: int = 2, client: Any = None, **kwargs: Any) -> Any:
         """Build the step and compute it now: ``loss, grads`` (``(loss, aux), grads``) as
         values. A step that fails because a worker was lost (or restarted) is built again
-        for the new workers once they are up, and run again, up to `retries` times; any
-        other error is raised at once."""
+        for the live workers (a lost worker's stages run on the others until its
+        replacement joins) and run again at once, up to `retries` times; any other error
+        is raised at once."""
         client = client if client is not None else current_client()
         for attempt in range(retries + 1):
             built = build(fn, args, kwargs, options, client)
@@ -100,11 +100,10 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
                             "again", getattr(fn, "__name__", "the step"), ", ".join(gone),
                             type(error).__name__)
                 del out, built                          # let go of the failed step
-                if slots:
-                    wait_for_slots(client, set(targets.of.values()))
-                else:
-                    client.wait_for_workers(len(workers), timeout=300)
-                forget_workers(client)                  # build for the workers there now
+                # built again for the workers there now: a lost worker's stages run on
+                # the live ones (no waiting for its replacement), unless none is left
+                forget_workers(client)
+                client.wait_for_workers(1, timeout=300)
         raise AssertionError("unreachable")             # the loop returns or raises
 
     wrapped.compute = compute  # type: ignore[attr-defined]

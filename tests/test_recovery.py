@@ -378,3 +378,107 @@ def test_a_failed_steps_state_given_to_step_says_to_recover() -> None:
     model = trainer._model(batches[0])
     with pytest.raises(dd.TrainerError, match=r"trainer\.recover\(state\)"):
         trainer._restored(state, model)
+
+
+def _kill_plan(client: Any, plan: list[tuple[float, str]], started: threading.Event,
+               log: list[tuple[float, str]]) -> threading.Thread:
+    """SIGKILL the worker of each (seconds after `started`, slot) of `plan`, not waiting
+    for any replacement: later kills may hit a stage already moved to a survivor."""
+    def run() -> None:
+        started.wait(60)
+        t0 = time.monotonic()
+        for at, slot in plan:
+            time.sleep(max(0.0, t0 + at - time.monotonic()))
+            by_slot = {v: k for k, v in dd.cluster.info.slot_names(client).items()}
+            if slot not in by_slot:
+                continue                        # still restarting from an earlier kill
+            pid = client.run(os.getpid, workers=[by_slot[slot]])[by_slot[slot]]
+            os.kill(pid, signal.SIGKILL)
+            log.append((time.monotonic() - t0, slot))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("cluster_client,replicas,plan", [
+    # one replica: the stage's worker, then the survivor it moved to, then another
+    (4, 1, [(0.6, "slot1"), (1.8, "slot2"), (3.2, "slot3")]),
+    # two replicas: both replicas of stage 1 (slot1 and slot3) 1.2 s apart, inside what
+    # was the wait for slot1's replacement, then stage 0's worker
+    (4, 2, [(0.6, "slot1"), (1.8, "slot3"), (3.2, "slot0")]),
+], indirect=["cluster_client"], ids=["replicas1", "replicas2"])
+def test_kills_every_second_are_recovered_on_the_live_workers(
+        cluster_client: Any, replicas: int, plan: list[tuple[float, str]]) -> None:
+    """Workers SIGKILLed every 1.2-1.4 s during a 60-step fit, without waiting for their
+    replacements: each lost stage runs on a survivor at once (`Recovery.moved`), a state
+    restored after a loss is copied again before a second loss can take it, and the fit
+    ends with the undisturbed run's parameters and losses; the cluster is whole after."""
+    client = cluster_client
+    params, batches = make_data(60)
+    opt = optax.sgd(0.05)
+    undisturbed = dd.Trainer(loss_fn, opt, microbatches=4, schedule="1f1b",
+                             replicas=replicas, client=client)
+    s0, losses0 = undisturbed.fit(batches, params=params, progress=False)
+    want = undisturbed.params(s0)
+    trainer = dd.Trainer(loss_fn, opt, microbatches=4, schedule="1f1b", replicas=replicas,
+                         client=client)
+    state = trainer.init(params)
+    trainer.fit(batches[:1], state=state, progress=False)   # compiled: kills hit steps
+    started, killed = threading.Event(), []
+    thread = _kill_plan(client, plan, started, killed)
+    started.set()
+    state, losses = trainer.fit(batches, state=trainer.init(params), progress=False)
+    thread.join(60)
+    close(trainer.params(state), want)
+    np.testing.assert_allclose(losses, losses0, rtol=1e-5)
+    assert len(killed) >= 2, killed
+    assert trainer.recoveries, "no kill hit the fit"
+    assert any(r.moved for r in trainer.recoveries), trainer.recoveries
+    for r in trainer.recoveries:             # re-placed on live slots, never on a lost one
+        for stage, own, to in r.moved:
+            assert own != to and to.startswith("slot")
+    client.wait_for_workers(4, timeout=120)
+    assert len(dd.cluster.info.slot_names(client)) == 4
+
+
+@pytest.mark.timeout(400)
+def test_scale_down_and_up_mid_fit_moves_stages_and_back() -> None:
+    """`cluster.scale(3)` mid-fit (a stage's worker gone for good) moves its stage to a
+    survivor; `scale(4)` (a new worker, a new slot) is used from a later step; the fit
+    equals the undisturbed run's."""
+    from distributed import Client
+
+    cluster = dd.local_cluster(n_workers=4, dashboard_address=None, quiet=True)
+    client = Client(cluster, set_as_default=False)
+    try:
+        params, batches = make_data(60)
+        opt = optax.adam(1e-2)
+        ref = dd.Trainer(loss_fn, opt, microbatches=4, schedule="1f1b", client=client,
+                         placement={0: 0, 1: 3})
+        s0, losses0 = ref.fit(batches, params=params, progress=False)
+        trainer = dd.Trainer(loss_fn, opt, microbatches=4, schedule="1f1b", client=client,
+                             placement={0: 0, 1: 3})
+
+        def resize() -> None:
+            time.sleep(0.8)
+            cluster.scale(3)                  # the newest worker goes: slot3, stage 1's
+            deadline = time.time() + 60
+            while len(client.scheduler_info()["workers"]) > 3 and time.time() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.5)
+            cluster.scale(4)
+
+        thread = threading.Thread(target=resize, daemon=True)
+        thread.start()
+        state, losses = trainer.fit(batches, params=params, progress=False)
+        thread.join(90)
+        close(trainer.params(state), ref.params(s0))
+        np.testing.assert_allclose(losses, losses0, rtol=1e-5)
+        moved = [p for p in trainer.placements if p.moved]
+        assert moved and moved[0].moved[0][:2] == (1, "slot3"), trainer.placements
+        client.wait_for_workers(4, timeout=120)
+    finally:
+        client.close()
+        cluster.close()

@@ -1,10 +1,12 @@
 """What the scheduler says about the workers, and the active client."""
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import inspect
 import time
 import weakref
-from typing import Any, Collection
+from typing import Any, Callable, Collection
 
 from distributed import default_client
 from distributed.scheduler import KilledWorker
@@ -12,7 +14,7 @@ from distributed.scheduler import KilledWorker
 from ..errors import ClientClosedError, DirectDispatchError, PlacementError, WorkerLostError
 
 
-__all__ = ["slot_names", "check_open", "workers_info", "forget_workers", "current_client",
+__all__ = ["slot_names", "seen_slots", "on_worker_removed", "check_open", "workers_info", "forget_workers", "current_client",
            "lost_workers", "wait_for_slots", "may_be_a_lost_worker", "MEMBERSHIP_TTL"]
 
 #: seconds a client's cached list of workers is used without asking the scheduler again
@@ -28,7 +30,21 @@ def slot_names(client: Any, cached: bool = False) -> dict[str, str]:
         slots = [r for r in (w.get("resources") or {}) if r.startswith("slot")]
         if slots:
             out[addr] = slots[0]
+    try:
+        _SEEN.setdefault(client, set()).update(out.values())
+    except TypeError:                       # not weak-referenceable (a stand-in client)
+        pass
     return out
+
+
+def seen_slots(client: Any) -> set[str]:
+    """Every ``slot<i>`` this client's scheduler had while the client watched: the
+    cluster's full size, so a stage whose slot is missing now (its worker was lost and is
+    restarting, or scaled away) is known as lost rather than as never there."""
+    try:
+        return set(_SEEN.get(client, ()))
+    except TypeError:
+        return set()
 
 
 def check_open(client: Any) -> None:
@@ -81,6 +97,7 @@ def forget_workers(client: Any) -> None:
 _CACHE: "weakref.WeakKeyDictionary[Any, tuple[float, dict[str, Any]]]" = \
     weakref.WeakKeyDictionary()
 _WATCHED: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_SEEN: "weakref.WeakKeyDictionary[Any, set[str]]" = weakref.WeakKeyDictionary()
 
 
 def _watch(client: Any) -> bool:
@@ -97,10 +114,17 @@ def _watch(client: Any) -> bool:
         return False
     ref = weakref.ref(client)
 
-    def changed(event: Any) -> None:
+    def changed(event: Any) -> Any:
         c = ref()
-        if c is not None:
-            forget_workers(c)
+        if c is None:
+            return None
+        forget_workers(c)
+        msg = event[1] if isinstance(event, tuple) and len(event) == 2 else event
+        if not (isinstance(msg, dict) and msg.get("action") == "remove"):
+            return None
+        waits = [w for hook in list(_REMOVAL_HOOKS)
+                 if inspect.isawaitable(w := hook(c, str(msg.get("worker"))))]
+        return asyncio.gather(*waits, return_exceptions=True) if waits else None
 
     try:
         client.subscribe_topic(MEMBERSHIP_TOPIC, changed)
@@ -108,6 +132,17 @@ def _watch(client: Any) -> bool:
         return False
     _WATCHED.add(client)
     return True
+
+
+_REMOVAL_HOOKS: list[Callable[[Any, str], Any]] = []
+
+
+def on_worker_removed(hook: Callable[[Any, str], Any]) -> None:
+    """Call ``hook(client, address)`` in a client's event loop whenever its scheduler
+    removes a worker (as soon as the scheduler knows: `MEMBERSHIP_TOPIC`); it may return
+    an awaitable. Registered once per hook."""
+    if hook not in _REMOVAL_HOOKS:
+        _REMOVAL_HOOKS.append(hook)
 
 
 def current_client() -> Any:

@@ -11,7 +11,7 @@ import jax
 
 from ..core.stage import check_stage
 from ..errors import PlacementError
-from .info import slot_names, workers_info
+from .info import seen_slots, slot_names, workers_info
 
 
 __all__ = ["Targets", "resolve_targets", "annotations_for"]
@@ -28,6 +28,9 @@ class Targets:
     kind: str
     of: Mapping[int, Any]                  # stage -> slot name / worker address / device index
     addresses: Mapping[Any, str] = dataclasses.field(default_factory=dict)  # slot -> address
+    #: stage -> (its own slot, the live slot it runs on instead): stages whose worker is
+    #: lost (restarting, or scaled away), placed on the survivors until it is back
+    moved: Mapping[int, tuple[str, str]] = dataclasses.field(default_factory=dict)
 
     def target(self, stage: int | None) -> Any:
         return None if stage is None else self.of.get(stage)
@@ -85,19 +88,56 @@ def _resolve(stages: set[int], client: Any, placement: Mapping[int, Any] | None,
         return Targets("workers", {s: workers[placement.get(s, default.get(s, s) % n) % n]
                                    for s in stages})
     by_slot = {name: addr for addr, name in slots.items()}
-    names = sorted(by_slot, key=lambda x: int(x[4:]) if x[4:].isdigit() else 1 << 30)
+    # the cluster's full set of slots, live or not: a stage keeps its own slot through a
+    # loss (and goes back to it when the replacement joins)
+    names = sorted(set(by_slot) | seen_slots(client), key=_slot_order)
     of = {}
     for s in sorted(stages):
         want = placement.get(s, default.get(s, s) % len(names))
-        name = f"slot{want}" if isinstance(want, int) else str(want)
+        if s not in placement:
+            name = names[want]
+        else:
+            name = f"slot{want}" if isinstance(want, int) else str(want)
         if isinstance(want, int) and not 0 <= want < len(names):
             raise PlacementError(f"placement[{s}]={want}: the cluster has {len(names)} slots "
                                  f"({', '.join(names)})")
-        if name not in by_slot:
+        if name not in names:
             raise PlacementError(f"placement[{s}]={want!r}: no worker has resource {name!r}; "
                                  f"slots are {', '.join(names)}")
         of[s] = name
-    return Targets("slots", of, by_slot)
+    return Targets("slots", *_on_survivors(of, names, by_slot))
+
+
+def _slot_order(name: str) -> tuple[int, str]:
+    return (int(name[4:]), "") if name[4:].isdigit() else (1 << 30, name)
+
+
+def _on_survivors(of: dict[int, str], names: list[str], by_slot: Mapping[str, str]
+                  ) -> tuple[dict[int, str], Mapping[str, str], dict[int, tuple[str, str]]]:
+    """Stages whose slot has no worker now, placed on live slots: the first slot after
+    theirs (in slot order, where a stage's copy is kept) that runs no stage, else the
+    least busy one. No waiting for a replacement; `Targets.moved` says what moved."""
+    live = [n for n in names if n in by_slot]
+    if not live:
+        raise PlacementError(
+            f"no worker of the cluster's slots ({', '.join(names)}) is running; start "
+            "workers (dask worker --resources slot<i>=1), or wait for their restart")
+    load = {n: 0 for n in live}
+    for name in of.values():
+        if name in load:
+            load[name] += 1
+    moved: dict[int, tuple[str, str]] = {}
+    for s in sorted(of):
+        own = of[s]
+        if own in by_slot:
+            continue
+        i = names.index(own)
+        ring = [n for n in names[i + 1:] + names[:i] if n in by_slot]
+        pick = min(ring, key=lambda n: (load[n], ring.index(n)))
+        load[pick] += 1
+        of[s] = pick
+        moved[s] = (own, pick)
+    return of, dict(by_slot), moved
 
 
 def annotations_for(stage_of: Mapping[str, int | None], targets: Targets) -> dict[str, Any]:

@@ -9,6 +9,7 @@ nothing waits forever on a dead worker.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import weakref
 from typing import Any
@@ -20,6 +21,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 
 from ..core.keys import is_backward_of, is_forward
 from .direct import install
+from .direct.runtime import PEER_LOST_OP
 from .live import LiveActions
 from .serialize import register
 
@@ -52,6 +54,7 @@ class ColocateVJP(SchedulerPlugin):
 
     def __init__(self) -> None:
         self.scheduler: Any = None
+        self._telling: set[asyncio.Task[Any]] = set()
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
@@ -69,7 +72,21 @@ class ColocateVJP(SchedulerPlugin):
         self._announce("add", worker)
 
     def remove_worker(self, scheduler: Any = None, worker: Any = None, **kwargs: Any) -> None:
+        """Tell the clients (`MEMBERSHIP_TOPIC`) and every other worker: a direct-dispatch
+        program there that waits on the removed worker fails now, not after a probe."""
         self._announce("remove", worker)
+        if self.scheduler is None or worker is None or not self.scheduler.workers:
+            return
+        try:
+            task = asyncio.get_running_loop().create_task(self._tell_workers(worker))
+        except RuntimeError:                # no running loop (a unit test calling it)
+            return
+        self._telling.add(task)
+        task.add_done_callback(self._telling.discard)
+
+    async def _tell_workers(self, address: str) -> None:
+        await self.scheduler.broadcast(msg={"op": PEER_LOST_OP, "address": address},
+                                       on_error="ignore")
 
     def _announce(self, action: str, worker: Any) -> None:
         """Tell the clients that the set of workers changed (`MEMBERSHIP_TOPIC`)."""

@@ -9,16 +9,17 @@ step runs again from there: same inputs, same result, no update applied twice.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Mapping
 
 from distributed import Future
 
-from ..cluster.info import lost_workers, may_be_a_lost_worker
+from ..cluster.info import lost_workers, may_be_a_lost_worker, on_worker_removed
 from ..errors import LostStateError, WorkerLostError
 
 
-__all__ = ["Recovery", "Lineage", "StepLoss", "copy_task", "lost_values", "restore"]
+__all__ = ["Recovery", "Placement", "Lineage", "StepLoss", "copy_task", "lost_values", "restore"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,18 @@ class Recovery:
     seconds: float
     error: str
     failed_at: float = 0.0          # time.time() when the failure reached the trainer
+    #: (stage, its own slot, the live slot it ran on instead) for each stage re-placed
+    #: because its worker was lost (it goes back when the replacement joins)
+    moved: tuple[tuple[int, str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where stages ran from `step` on, when that changed: (stage, own slot, live slot it
+    runs on) for each stage away from its own slot (empty: every stage is back)."""
+
+    step: int
+    moved: tuple[tuple[int, str, str], ...]
 
 
 @dataclass(frozen=True)
@@ -59,6 +72,10 @@ class StepLoss(Future):
         self.workers = tuple(sorted(set(workers)))
         #: whether `result` found the step failed by a lost worker
         self.worker_lost = False
+        try:
+            _PENDING.setdefault(client, weakref.WeakSet()).add(self)
+        except TypeError:                     # not weak-referenceable (a stand-in client)
+            pass
 
     def result(self, timeout: float | None = None) -> Any:
         try:
@@ -79,6 +96,26 @@ class StepLoss(Future):
                 "surviving copy with `state = trainer.recover(state)` (the state this step "
                 "returned; its new loss is `state.loss`), or use trainer.fit, which "
                 "recovers by itself.", self.step, gone) from e
+
+
+_PENDING: "weakref.WeakKeyDictionary[Any, weakref.WeakSet[StepLoss]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def _fail_steps_on(client: Any, address: str) -> Any:
+    """The scheduler removed the worker at `address`: every step of `client` still running
+    that ran on it fails now (its loss is cancelled; `result` raises `WorkerLostError`)
+    instead of waiting for Dask to recompute the lost part on the worker's replacement,
+    which a direct-dispatch step cannot do."""
+    steps = [f for f in list(_PENDING.get(client, ())) if address in f.workers
+             and f.status == "pending"]
+    if not steps:
+        return None
+    return client.cancel(steps, asynchronous=True,
+                         reason=f"worker {address}, which the step ran on, was lost")
+
+
+on_worker_removed(_fail_steps_on)
 
 
 def copy_task(value: Any) -> Any:

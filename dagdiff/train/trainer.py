@@ -18,7 +18,7 @@ import uuid
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
 
 import dask
 import jax
@@ -41,7 +41,7 @@ from ..cluster.info import (
     forget_workers,
     lost_workers,
     may_be_a_lost_worker,
-    slot_names,
+    seen_slots,
 )
 from ..cluster.targets import Targets, resolve_targets
 from ..core.keys import make_key
@@ -57,7 +57,8 @@ from ..runtime.tasks import mean_task
 from ..runtime.taskspec import DataNode, Task, TaskRef
 from .allreduce import tree_allreduce
 from .optimizer import ScaledOptimizer, update_task
-from .recovery import Lineage, Recovery, StepLoss, copy_task, lost_values, restore
+from .recovery import (Lineage, Placement, Recovery, StepLoss, copy_task, lost_values,
+                       restore)
 
 
 __all__ = ["Trainer", "TrainState"]
@@ -150,7 +151,10 @@ class Trainer:
         self.max_retries = max_retries
         #: every failure `fit` recovered from (see `dagdiff.train.recovery.Recovery`)
         self.recoveries: list[Recovery] = []
-        self._slots_seen: set[str] = set()
+        #: each change of where stages run (`dagdiff.train.recovery.Placement`): a stage
+        #: moved to a live worker after its own was lost, or back on its own slot
+        self.placements: list[Placement] = []
+        self._moved: dict[int, tuple[str, str]] = {}
         self.microbatches = microbatches
         self.schedule = self.options.schedule
         self.replicas = replicas
@@ -286,34 +290,46 @@ class Trainer:
             [value], workers=[addr] if addr is not None else None, hash=False)[0]
 
     def _targets(self, model: "_Model", timeout: float = 300.0) -> Targets:
-        """Where each stage runs. After a lost worker (a slot this trainer ran on is not
-        back yet), wait for its replacement when recovering, up to `timeout` s."""
+        """Where each stage runs. A stage whose worker was lost runs on a live one until
+        its replacement joins (`Targets.moved`); only when no worker of the cluster is
+        running does it wait, when recovering, up to `timeout` s for one to start."""
         stages = set(range(model.p * self.replicas))
         default = (stage_workers(self.schedule, model.p, self.replicas)
                    if self.schedule is not None else None)
         deadline = time.monotonic() + timeout
-        waited = again = False
+        waited = False
         while True:
             try:
-                targets = resolve_targets(stages, self.client, dict(self.options.placement),
-                                          default)
+                return resolve_targets(stages, self.client, dict(self.options.placement),
+                                       default)
             except PlacementError:
-                missing = (self._slots_seen - set(slot_names(self.client).values())
-                           if self.recovering and self.client is not None else set())
-                if not missing and self.recovering and not again:
-                    again = True                  # a replacement joined since: place again
-                    continue
-                if not missing or time.monotonic() >= deadline:
+                if (not self.recovering or self.client is None
+                        or not seen_slots(self.client) or time.monotonic() >= deadline):
                     raise
                 if not waited:
-                    log.warning("dagdiff: waiting up to %g s for the worker(s) of %s to come "
-                                "back", timeout, ", ".join(sorted(missing)))
+                    log.warning("dagdiff: no worker of the cluster is running; waiting up to "
+                                "%g s for one to start", timeout)
                     waited = True
                 time.sleep(0.25)
-                continue
-            if targets.kind == "slots":
-                self._slots_seen |= set(targets.addresses)
-            return targets
+
+    def _note_moves(self, step: int, targets: Targets) -> None:
+        """Log (and keep in `placements`) each change of where stages run: a stage moved
+        to a live worker after its own was lost, or back once its replacement joined."""
+        now = dict(targets.moved)
+        if now == self._moved:
+            return
+        away = {s: v for s, v in now.items() if self._moved.get(s) != v}
+        back = sorted(s for s in self._moved if s not in now)
+        self._moved = now
+        if away:
+            log.warning("dagdiff: from step %d, %s (lost) until its worker is back", step,
+                        "; ".join(f"stage {s} runs on {to} instead of {own}"
+                                  for s, (own, to) in sorted(away.items())))
+        if back:
+            log.warning("dagdiff: from step %d, stage(s) %s run on their own slot again",
+                        step, ", ".join(map(str, back)))
+        self.placements.append(Placement(step, tuple(
+            (s, own, to) for s, (own, to) in sorted(now.items()))))
 
     # --- one step -----------------------------------------------------------------------
     def step(self, state: TrainState, *batch: Any) -> tuple[TrainState, Any]:
@@ -341,6 +357,8 @@ class Trainer:
                     done, 0, time.monotonic() - t0, "the step's input state was lost"))
         r_count, m, p = self.replicas, self.microbatches, model.p
         targets = self._targets(model)
+        if targets.kind == "slots":
+            self._note_moves(state.step, targets)
         direct = (self.schedule is not None
                   and resolve_dispatch(self.options.dispatch, self.client, targets) == "direct")
         # a key names one computation: this trainer's step from these very state values
@@ -364,9 +382,11 @@ class Trainer:
             where = {(r, g): a for (r, g) in placed
                      if (a := _address(targets, model.group_stage[g] + r * p)) is not None}
             loss = StepLoss(loss.key, self.client, state.step, set(where.values()))
-            if (self.recovering and r_count == 1    # replicas hold each other's copies
-                    and (state.step + 1) % self.copy_every == 0):
-                backup = self._copies(placed, model, targets, token)
+            if self.recovering:
+                copy = self._to_copy(model, targets, state.step + 1)
+                if copy:
+                    backup = self._copies({rg: placed[rg] for rg in copy}, model, targets,
+                                          token)
         self._last = TrainState(state.step + 1, groups=model.groups, placed=placed,
                                 owner=self._ref, backup=backup, where=where,
                                 lineage=lineage if self.client is not None else None,
@@ -479,7 +499,7 @@ class Trainer:
         initial values), else from `before`'s own start, through the batches since."""
         if not self.recovering:
             return None
-        if not before.is_placed or self.replicas > 1 or before.backup:
+        if not before.is_placed or before.backup or self._has_copy(before):
             return Lineage(dataclasses.replace(before, lineage=None, loss=None),
                            (tuple(batch),))
         if before.lineage is not None:
@@ -524,10 +544,12 @@ class Trainer:
             return restored
         model = self._model(lineage.batches[0])
         start = lineage.start
-        self._targets(model)                      # the lost slots' replacements
+        targets = self._targets(model)            # the live workers: no waiting
         done: tuple[tuple[int, int, str], ...] = ()
         if start.is_placed:
             start, done = self._restored(start, model, ask=True)
+            start = self._protect(start, model)   # a second copy before it is used
+        moved = tuple((s, own, to) for s, (own, to) in sorted(targets.moved.items()))
         now = start
         for b in lineage.batches:
             now, _ = self.step(now, *b)
@@ -535,7 +557,7 @@ class Trainer:
                     "(%d step(s) run again)", state.step, start.step, len(lineage.batches))
         self.recoveries.append(Recovery(state.step - 1, self._gone(state), done,
                                         len(lineage.batches) - 1, time.monotonic() - t0,
-                                        "recover", wall))
+                                        "recover", wall, moved))
         return now
 
     def _usable(self, state: TrainState) -> bool:
@@ -557,24 +579,72 @@ class Trainer:
         except Exception:                         # noqa: BLE001 - only for the record
             return ()
 
+    def _to_copy(self, model: "_Model", targets: Targets, step: int
+                 ) -> list[tuple[int, int]]:
+        """The (replica, group) values of the state a step makes that get a copy: with one
+        replica every `copy_every`-th step's; with more, those of a group whose replicas
+        all run on one worker (e.g. after a loss put them together), every step."""
+        groups = range(len(model.groups))
+        if self.replicas == 1:
+            return [(0, g) for g in groups] if step % self.copy_every == 0 else []
+        out = []
+        for g in groups:
+            stages = [model.group_stage[g] + r * model.p for r in range(self.replicas)]
+            if len({targets.target(st) for st in stages}) < 2:
+                out.extend((r, g) for r in range(self.replicas))
+        return out
+
     def _copies(self, placed: Mapping[tuple[int, int], Any], model: "_Model",
-                targets: Targets, token: str) -> dict[tuple[int, int], Any]:
-        """A copy of each new state value on the next worker (slots in order), sent
-        after the step's update, off its critical path; none on a one-worker cluster."""
-        ring = sorted(targets.addresses) if targets.kind == "slots" else sorted(
-            set(targets.of.values()))
+                targets: Targets, token: str,
+                held: Mapping[str, Collection[str]] | None = None
+                ) -> dict[tuple[int, int], Any]:
+        """A copy of each value of `placed` on another worker: the next one after its
+        stage's (slots in order), sent after the step's update, off its critical path;
+        none on a one-worker cluster. `held` (key -> addresses holding it, a restored
+        value that may not be on its stage's worker): the stage's worker when it does not
+        hold the value, else the next worker that does not."""
+        slots = targets.kind == "slots"
+        ring = sorted(targets.addresses) if slots else sorted(set(targets.of.values()))
+        address = dict(targets.addresses) if slots else {a: a for a in ring}
         out = {}
         for (r, g), fut in placed.items():
             stage = model.group_stage[g] + r * model.p
             home = targets.target(stage)
             if home not in ring or len(ring) < 2:
                 continue
-            other = ring[(ring.index(home) + 1) % len(ring)]
-            where = ({"resources": {other: RESOURCE_SHARE}} if targets.kind == "slots"
+            i = ring.index(home)
+            order = ring[i + 1:] + ring[:i]
+            if held is not None:
+                have = set(held.get(fut.key, ()))
+                order = [w for w in [home, *order] if address[w] not in have] or order
+            other = order[0]
+            where = ({"resources": {other: RESOURCE_SHARE}} if slots
                      else {"workers": [other]})
             out[(r, g)] = self.client.submit(
                 copy_task, fut, key=make_key("backup", f"g{g}", g, token, stage, r), **where)
         return out
+
+    def _protect(self, state: TrainState, model: "_Model") -> TrainState:
+        """`state` (just recovered after a loss) with every value on two live workers:
+        a value only one worker holds gets a fresh copy on another (its stage's worker,
+        else the next), so that another loss right after this one loses nothing."""
+        assert state.placed is not None
+        targets = self._targets(model)
+        futures = [v for v in state.placed.values() if hasattr(v, "key")]
+        held = self.client.who_has(futures) if futures else {}
+        single = {rg: v for rg, v in state.placed.items()
+                  if hasattr(v, "key") and len(held.get(v.key, ())) < 2}
+        # a new key whenever the holders differ (a copy made before this loss is not one)
+        token = tokenize("protect", _state_identity(state),
+                         sorted((str(k), sorted(v)) for k, v in held.items()),
+                         ensure_deterministic=False)[:16]
+        copies = self._copies(single, model, targets, token, held)
+        if set(single) - set(copies):
+            return state                      # one live worker: nowhere to copy to
+        # a value two workers hold is its own copy (dagdiff keeps the replicas: no AMM
+        # ReduceReplicas); restore finds it while either of them lives
+        backup = {rg: copies.get(rg, v) for rg, v in state.placed.items()}
+        return dataclasses.replace(state, backup=backup)
 
     def _restored(self, state: TrainState, model: "_Model", ask: bool = False
                   ) -> tuple[TrainState, tuple[tuple[int, int, str], ...]]:
@@ -689,7 +759,7 @@ class Trainer:
             bar.update(1)
 
         def recover(error: Exception) -> None:
-            nonlocal retries
+            nonlocal retries, base
             entry = pending[0]
             if not self.recovering or self.client is None or retries >= self.max_retries:
                 raise error
@@ -704,10 +774,24 @@ class Trainer:
             log.warning("dagdiff: step %d failed after losing worker(s) %s (%s: %s); "
                         "running it again", entry.before.step, ", ".join(gone),
                         type(error).__name__, str(error)[:200])
+            if entry.recovery is not None:            # its retried step was lost too
+                self.recoveries.append(dataclasses.replace(
+                    entry.recovery, seconds=time.monotonic() - entry.recovery.seconds,
+                    error=entry.recovery.error + " (the retried step was lost again: see "
+                    "the next recovery)"))
             todo = [e.batch for e in pending]
             pending.clear()                           # let go of the failed steps' futures
-            self._wait_for_workers(entry.batch)
+            model = self._model(entry.batch)
+            targets = self._targets(model)            # the live workers: no waiting
             start, replay, restored = self._recoverable(entry, base, history)
+            if start.is_placed:
+                # a second copy of what was restored, before anything depends on it; the
+                # batches since `start` are what `base` needs from now on
+                protected = self._protect(start, model)
+                if protected is not start:
+                    start = base = protected
+                    history[:] = [(b, None) for b in replay]
+            moved = tuple((s, own, to) for s, (own, to) in sorted(targets.moved.items()))
             now = start
             for b in replay:                          # finished steps, run again
                 now, _ = self.step(now, *b)
@@ -716,7 +800,8 @@ class Trainer:
                 rec = None
                 if i == 0:
                     rec = Recovery(entry.before.step, gone, restored, len(replay), t0,
-                                   f"{type(error).__name__}: {str(error)[:500]}", wall)
+                                   f"{type(error).__name__}: {str(error)[:500]}", wall,
+                                   moved)
                 pending.append(_InFlight(loss, now, after, b, rec))
                 now = after
 
@@ -773,10 +858,6 @@ class Trainer:
                           "itertools.cycle(batches)) to train longer", stacklevel=2)
         return finished, losses
 
-    def _wait_for_workers(self, batch: Sequence[Any]) -> None:
-        """After a loss: wait until every stage's slot has a worker again."""
-        self._targets(self._model(batch))
-
     def _with_copy(self, state: TrainState, batch: Sequence[Any]) -> TrainState:
         """`state` with a copy of its values on other workers, when it is placed, has
         none, and the trainer recovers: where `fit` can go back to."""
@@ -790,9 +871,16 @@ class Trainer:
             state, backup=self._copies(state.placed, model, self._targets(model), token))
 
     def _has_copy(self, state: TrainState) -> bool:
-        """Whether a second copy of every value of `state` was made (another replica's,
-        or a copy step)."""
-        return self.replicas > 1 or any(hasattr(v, "key") for v in (state.backup or {}).values())
+        """Whether every value of `state` has a second copy on another worker: another
+        replica's on a different worker, or a copy step's."""
+        backup, where = state.backup or {}, state.where or {}
+        for r, g in state.placed or {}:
+            if hasattr(backup.get((r, g)), "key"):
+                continue
+            if not any(where.get((r2, g2)) not in (None, where.get((r, g)))
+                       for r2, g2 in where if g2 == g and r2 != r):
+                return False
+        return bool(state.placed)
 
     def _recoverable(self, entry: "_InFlight", base: TrainState,
                      history: list[tuple[tuple[Any, ...], TrainState | None]]
@@ -815,6 +903,7 @@ class Trainer:
             try:
                 restored, done = self._restored(start, model, ask=True)
             except LostStateError as e:
+                log.debug("dagdiff: cannot restart from step %d: %s", start.step, e)
                 first = first or e
                 continue
             return restored, replay, done

@@ -38,11 +38,14 @@ from .transport import STATUS_OP, DecodeError, Transport
 
 __all__ = ["EXTENSION", "Remote", "Action", "Program", "DirectRuntime", "install", "runtime",
            "run_program", "new_nonce", "compute_log", "PROBE_AFTER", "PROBE_EVERY",
-           "STALE_AFTER"]
+           "STALE_AFTER", "PEER_LOST_OP"]
 
 log = logging.getLogger(__name__)
 
 EXTENSION = "dagdiff"
+#: the worker handler the scheduler calls when it removed a worker (dagdiff's scheduler
+#: plugin): running programs that wait on that worker fail at once, without a probe
+PEER_LOST_OP = "dagdiff_peer_lost"
 #: seconds an input may be awaited before its producer's worker is asked about the run,
 #: and between asks: a lost worker fails the step in seconds, not after the timeout
 PROBE_AFTER = 2.0
@@ -113,6 +116,7 @@ class _Run:
         self.pending = 0                            # messages of ours still being written
         self.send_errors: list[str] = []
         self.gone: set[str] = set()                 # workers a message could not reach
+        self.lost: set[str] = set()                 # addresses the scheduler removed
         self.created = time.monotonic()
         self.started = False
         self.keep_for = keep_for
@@ -139,7 +143,10 @@ class DirectRuntime:
         #: (task key, time) of every task this worker started (`dd.record`)
         self.starts: collections.deque[tuple[str, float]] = collections.deque(maxlen=200_000)
         self._runs_counter = itertools.count()
+        #: addresses of workers the scheduler removed (newest last, bounded)
+        self.lost: collections.OrderedDict[str, float] = collections.OrderedDict()
         worker.handlers[STATUS_OP] = self._status
+        worker.handlers[PEER_LOST_OP] = self._peer_lost
         worker.extensions[EXTENSION] = self
 
     # --- run states ---------------------------------------------------------------------
@@ -184,6 +191,19 @@ class DirectRuntime:
                 return self._finished[run]
             st = self._runs.get(run)
             return "running" if st is not None and st.started else "unknown"
+
+    async def _peer_lost(self, address: str) -> None:
+        """Handler ``dagdiff_peer_lost``: the scheduler removed the worker at `address`;
+        every program here that waits on it stops now (the step is run again)."""
+        with self._lock:
+            self.lost[address] = time.monotonic()
+            while len(self.lost) > 1024:
+                self.lost.popitem(last=False)
+            runs = list(self._runs.values())
+        for st in runs:
+            with st.cond:
+                st.lost.add(address)
+                st.cond.notify_all()
 
     # --- messages in ----------------------------------------------------------------------
     def _deliver(self, msg: Message | DecodeError) -> None:
@@ -240,6 +260,8 @@ class DirectRuntime:
                 "worker and Dask runs its program again alone (e.g. client.retry after a "
                 "failure). Release the step's futures and compute it again (a new run).")
         self._running[prog.key] = run
+        with self._lock:
+            st.lost.update(a for _, a in prog.members if a in self.lost)
         number = next(self._runs_counter)
         _secede()
         statics = dict(zip(prog.statics, static_values))
@@ -577,6 +599,14 @@ def _check(st: _Run, prog: Program, a: Action) -> None:
         raise UpstreamError(st.failed)
     if st.send_errors:
         raise _send_failure(prog, st)
+    if st.lost:
+        for where, address in prog.members:
+            if address in st.lost:
+                raise DirectDispatchError(
+                    f"{a.key} on {prog.where}: the scheduler removed {where}'s worker at "
+                    f"{address}, which runs part of this step (the worker was lost or "
+                    "restarted mid-step). Compute the step again (trainer.fit and "
+                    "step.compute(retries=) do, on the live workers).")
 
 
 def _take_local(local: dict[str, list[Any]], key: str) -> Any:
