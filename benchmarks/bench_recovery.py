@@ -4,7 +4,7 @@ each time, not waiting for replacements), alternating, for replicas 1 and 2. Pri
 time from each kill to the end of its retried step (median, max; from `trainer.recoveries`,
 whose failed_at is when the failure reached the trainer), the extra wall time of the
 disturbed fit, and whether its parameters equal the undisturbed run's.
-Usage: python benchmarks/bench_recovery.py [--steps 50] [--kills 5] [--every 1.5]
+Usage: python benchmarks/bench_recovery.py [--steps 150] [--kills 5] [--every 1.5]
 """
 from __future__ import annotations
 
@@ -29,10 +29,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from tests.test_recovery import loss_fn, make_data  # noqa: E402  (the suite's model)
 
 
-def killer(client: Any, kills: int, every: float, seed: int, out: list[float]) -> None:
+def killer(client: Any, kills: int, every: float, seed: int, out: list[float],
+           stop: threading.Event) -> None:
     rng = random.Random(seed)
     for _ in range(kills):
-        time.sleep(rng.uniform(0.5 * every, 1.5 * every))
+        if stop.wait(rng.uniform(0.5 * every, 1.5 * every)):
+            return
         slots = dd.cluster.info.slot_names(client)
         if len(slots) < 2:
             continue
@@ -47,7 +49,7 @@ def killer(client: Any, kills: int, every: float, seed: int, out: list[float]) -
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--kills", type=int, default=5)
     ap.add_argument("--every", type=float, default=1.5, help="mean seconds between kills")
     ap.add_argument("--seed", type=int, default=0)
@@ -67,12 +69,20 @@ def main() -> None:
                         client=client)
         tr.fit(batches[:2], params=params, progress=False)
         kills: list[float] = []
-        th = threading.Thread(target=killer, args=(client, a.kills, a.every, a.seed, kills))
+        stop = threading.Event()
+        th = threading.Thread(target=killer,
+                              args=(client, a.kills, a.every, a.seed, kills, stop))
         t0 = time.perf_counter()
         th.start()
         s1, _ = tr.fit(batches, params=params, progress=False)
         hit = time.perf_counter() - t0
+        stop.set()
         th.join()
+        try:
+            s1 = tr.recover(s1)              # a kill right after the fit's end
+        except dd.LostStateError as e:
+            print(f"replicas={replicas}: the final state was lost after the fit: {e}")
+            continue
         equal = all(np.allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
                     for x, y in zip(jax.tree_util.tree_leaves(tr.params(s1)),
                                     jax.tree_util.tree_leaves(ref.params(s0))))
