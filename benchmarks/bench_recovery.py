@@ -65,6 +65,7 @@ def main() -> None:
         t0 = time.perf_counter()
         s0, _ = ref.fit(batches, params=params, progress=False)
         calm = time.perf_counter() - t0
+        want = jax.tree_util.tree_leaves(ref.params(s0))   # before kills can take it
         tr = dd.Trainer(loss_fn, opt, microbatches=4, schedule="1f1b", replicas=replicas,
                         client=client)
         tr.fit(batches[:2], params=params, progress=False)
@@ -74,7 +75,15 @@ def main() -> None:
                               args=(client, a.kills, a.every, a.seed, kills, stop))
         t0 = time.perf_counter()
         th.start()
-        s1, _ = tr.fit(batches, params=params, progress=False)
+        try:
+            s1, _ = tr.fit(batches, params=params, progress=False)
+        except dd.LostStateError as e:        # both copies of a state lost
+            stop.set()
+            th.join()
+            print(f"replicas={replicas}: LostStateError after {len(kills)} kills "
+                  f"({len(tr.recoveries)} recoveries before it): {str(e)[:200]}", flush=True)
+            client.wait_for_workers(4, timeout=120)
+            continue
         hit = time.perf_counter() - t0
         stop.set()
         th.join()
@@ -84,8 +93,7 @@ def main() -> None:
             print(f"replicas={replicas}: the final state was lost after the fit: {e}")
             continue
         equal = all(np.allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
-                    for x, y in zip(jax.tree_util.tree_leaves(tr.params(s1)),
-                                    jax.tree_util.tree_leaves(ref.params(s0))))
+                    for x, y in zip(jax.tree_util.tree_leaves(tr.params(s1)), want))
         # kill -> its retried step's end: the newest kill before each failure
         spans = []
         for r in tr.recoveries:

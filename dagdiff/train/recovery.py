@@ -16,7 +16,7 @@ from typing import Any, Callable, Collection, Mapping
 from distributed import Future
 
 from ..cluster.info import lost_workers, may_be_a_lost_worker, on_worker_removed
-from ..errors import LostStateError, WorkerLostError
+from ..errors import DirectDispatchError, LostStateError, WorkerLostError
 
 
 __all__ = ["Recovery", "Placement", "Lineage", "StepLoss", "copy_task", "lost_values", "restore"]
@@ -79,7 +79,16 @@ class StepLoss(Future):
 
     def result(self, timeout: float | None = None) -> Any:
         try:
-            return super().result(timeout)
+            try:
+                return super().result(timeout)
+            except AttributeError as e:
+                # distributed marked the key erred without an exception (seen when a
+                # worker holding the step's values was lost mid-recovery): a loss, maybe
+                if self.status != "error" or "with_traceback" not in str(e):
+                    raise
+                raise DirectDispatchError(
+                    f"Trainer step {self.step}'s loss {self.key} erred and distributed "
+                    "reported no exception for it") from None
         except Exception as e:                # noqa: BLE001 - re-raised unless a loss
             if not may_be_a_lost_worker(e) or not self.workers:
                 raise
