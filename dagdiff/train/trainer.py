@@ -702,9 +702,11 @@ class Trainer:
         ahead. Returns (state, losses). `progress`: a tqdm bar with the loss (True; the
         default None shows one when tqdm, the ``progress`` extra, is installed).
 
-        A step that fails because a worker was lost (or restarted) runs again once its
-        replacement is up, from the state before it with the lost stage's values taken
-        from another replica or their copy (``recover=True``, at most `max_retries` times
+        A step that fails because a worker was lost (or restarted) runs again at once on
+        the live workers (the lost worker's stages on a survivor until its replacement
+        joins: `Recovery.moved`, `placements`), from the state before it with the lost
+        stage's values taken from another replica or their copy, copied again to a second
+        live worker first (``recover=True``, at most `max_retries` times
         per step): `fit` returns what an undisturbed run returns. Each recovery is in
         `trainer.recoveries`. Any other error is raised as it is."""
         if params is not None and state is None:
