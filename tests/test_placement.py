@@ -224,3 +224,25 @@ def test_fusion_one_task_pair_per_stage(compute: Any) -> None:
     want = jax.value_and_grad(staged_loss_all)(params, x, t)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
     leaves_close(got[1], want[1])
+
+
+def test_a_stage_whose_slot_is_lost_goes_to_a_free_survivor_else_the_least_busy() -> None:
+    """The fallback of `resolve_targets` for slots with no worker now (literal cases)."""
+    from dagdiff.cluster.targets import _on_survivors
+
+    names = ["slot0", "slot1", "slot2", "slot3"]
+    live = {n: f"tcp://w{n[-1]}" for n in names if n != "slot1"}
+    of, addresses, moved = _on_survivors({0: "slot0", 1: "slot1"}, names, live)
+    assert of == {0: "slot0", 1: "slot2"} and moved == {1: ("slot1", "slot2")}
+    assert addresses == live
+    # every slot busy: the next one after the lost slot among the least busy
+    of, _, moved = _on_survivors({0: "slot0", 1: "slot1", 2: "slot2", 3: "slot3"}, names,
+                                 live)
+    assert of[1] == "slot2" and moved == {1: ("slot1", "slot2")}
+    # two stages lost: spread over the least busy, in slot order after each
+    live2 = {"slot0": "a", "slot3": "d"}
+    of, _, moved = _on_survivors({0: "slot0", 1: "slot1", 2: "slot2", 3: "slot3"}, names,
+                                 live2)
+    assert of == {0: "slot0", 1: "slot3", 2: "slot0", 3: "slot3"}
+    with pytest.raises(dd.PlacementError, match="no worker"):
+        _on_survivors({0: "slot0"}, names, {})
