@@ -11,11 +11,12 @@ from typing import Any, Callable, Collection
 from distributed import default_client
 from distributed.scheduler import KilledWorker
 
-from ..errors import ClientClosedError, DirectDispatchError, PlacementError, WorkerLostError
+from ..errors import ClientClosedError, DirectDispatchError, WorkerLostError
 
 
-__all__ = ["slot_names", "seen_slots", "on_worker_removed", "check_open", "workers_info", "forget_workers", "current_client",
-           "lost_workers", "wait_for_slots", "may_be_a_lost_worker", "MEMBERSHIP_TTL"]
+__all__ = ["slot_names", "seen_slots", "on_worker_removed", "check_open", "workers_info",
+           "forget_workers", "current_client", "lost_workers", "may_be_a_lost_worker",
+           "MEMBERSHIP_TTL"]
 
 #: seconds a client's cached list of workers is used without asking the scheduler again
 #: (it is dropped at once when the scheduler announces a worker joining or leaving)
@@ -173,21 +174,3 @@ def lost_workers(client: Any, addresses: Collection[str], wait: float = 10.0) ->
         if gone or time.monotonic() >= deadline:
             return gone
         time.sleep(0.2)
-
-
-def wait_for_slots(client: Any, slots: Collection[str], timeout: float = 300.0) -> None:
-    """Wait until a worker with each of `slots` (``slot<i>`` resources) is running: a lost
-    worker's nanny starts its replacement with the same slot."""
-    want = set(slots)
-    deadline = time.monotonic() + timeout
-    while True:
-        have = set(slot_names(client).values())
-        if want <= have:
-            return
-        if time.monotonic() >= deadline:
-            raise PlacementError(
-                f"no worker came back for {', '.join(sorted(want - have))} "
-                f"within {timeout:g} s (running: {', '.join(sorted(have)) or 'none'}); start "
-                "workers with those resources (dask worker --resources slot<i>=1), or "
-                "resume later from a checkpoint")
-        time.sleep(0.25)
