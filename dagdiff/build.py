@@ -24,6 +24,7 @@ from .cluster.residency import resident_inputs
 from .cluster.targets import Targets, resolve_targets
 from .core.auto import CostSource, auto_stages, is_cost_source
 from .core.backward import BackwardPlan, build_backward
+from .core.forms import ModelForm, lower_args
 from .core.fuse import fuse_trace
 from .core.keys import make_key
 from .core.microbatch import microbatch_avals
@@ -32,6 +33,7 @@ from .core.trace_fn import argnames, argnums_of, check_loss, is_input, split_aux
 from .core.tracer import Trace, Traced, home_stages, is_array
 from .errors import ArgumentError, LayerShapeError
 from .lowering import template as templates
+from .lowering.collection import DelayedTree, needs_collection
 from .lowering.graph import OutKey, assemble, assemble_direct, to_delayed
 from .lowering.lower import lower, select, trace_token
 from .lowering.pipeline import lower_pipeline, stage_workers
@@ -131,6 +133,9 @@ class Model:
     argnums: tuple[int, ...]
     batch_argnums: tuple[int, ...]
     batch: Mapping[int, Any]
+    #: differentiated arguments given as modules (position -> `ModelForm`): traced as
+    #: their `params()` dicts, their gradients given back in the library's form
+    forms: Mapping[int, ModelForm] = dataclasses.field(default_factory=dict)
 
     @property
     def stages(self) -> set[int]:
@@ -154,8 +159,18 @@ class Build:
         """What `value_and_grad` returns: ``(loss, grads)`` (``((loss, aux), grads)`` with
         has_aux), Delayed objects over the one graph."""
         lk, ak, gk = to_delayed(self.graph, self.keys)
+        forms = self.model.forms
+        gk = [_user_form(g, forms.get(i)) for i, g in zip(self.model.argnums, gk)]
         grads = gk[0] if isinstance(self.options.argnums, int) else tuple(gk)
         return ((lk, ak) if self.options.has_aux else lk), grads
+
+
+def _user_form(grads: Any, form: ModelForm | None) -> Any:
+    """One argument's gradients as the user gave the argument: a module's in its library's
+    form; pytrees Dask cannot walk into (modules, registered classes) as a `DelayedTree`."""
+    if form is not None:
+        grads = form.grads(grads)
+    return DelayedTree(grads) if needs_collection(grads) else grads
 
 
 def without_gc(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -183,6 +198,7 @@ def trace_model(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str
     `Model.batch`."""
     fname = getattr(fn, "__name__", "fn")
     nums = argnums_of(options.argnums, len(args), fname)
+    fn, args, forms = lower_args(fn, args, nums)       # modules -> their params dicts
     names = argnames(fn, len(args))
     m = splits if splits is not None else options.microbatches
     if options.pipelined or splits is not None:
@@ -214,7 +230,8 @@ def trace_model(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str
                     batch[node.index] = o
     trace, loss, aux = _prepare(trace, loss, aux, client, options)
     plan = build_backward(trace, loss)
-    return Model(fname, trace, plan, loss, aux, tuple(targs), nums, tuple(batch_nums), batch)
+    return Model(fname, trace, plan, loss, aux, tuple(targs), nums, tuple(batch_nums), batch,
+                 forms)
 
 
 def _note_split(e: BaseException, args: Sequence[Any], kwargs: Mapping[str, Any],

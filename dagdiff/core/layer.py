@@ -115,9 +115,17 @@ def layer(
 
     `remat=True` keeps only the primal inputs after the forward task and recomputes the
     forward inside the VJP task (less memory, more compute).
+
+    A Flax NNX or Equinox module instance gives a layer called like the module
+    (``dd.layer(block)(x)``) whose arrays are its parameters; `nnx.Sequential` and
+    `eqx.nn.Sequential` record one layer call per element. A Flax Linen module gives a
+    layer called ``layer(variables, x)`` (``module.apply``). See `dagdiff.core.modules`.
     """
     if fn is None:
-        return lambda f: Layer(f, name=name, remat=remat, stage=stage)
+        return lambda f: layer(f, name=name, remat=remat, stage=stage)
+    from .modules import library_of, module_layer      # modules builds on Layer
+    if library_of(fn) is not None:
+        return module_layer(fn, name, remat, stage)
     return Layer(fn, name=name, remat=remat, stage=stage)
 
 

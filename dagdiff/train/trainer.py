@@ -44,6 +44,7 @@ from ..cluster.info import (
     seen_slots,
 )
 from ..cluster.targets import Targets, resolve_targets
+from ..core.forms import ModelForm, lower_args
 from ..core.keys import make_key
 from ..core.tracer import home_stages
 from ..errors import (ArgumentError, LostStateError, MicrobatchError, PlacementError,
@@ -160,6 +161,8 @@ class Trainer:
         self.replicas = replicas
         self.client = client if client is not None else current_client()
         self._treedef: Any = None
+        self._form: ModelForm | None = None
+        self._traced_fn: Callable[..., Any] = loss_fn
         self._template: list[Any] = []
         self._last: TrainState | None = None
         self._ref = weakref.ref(self)
@@ -170,6 +173,12 @@ class Trainer:
     def init(self, params: Any, *example_batch: Any) -> TrainState:
         """Initial state. With an example batch the parameters and optimizer state are
         placed on their stage workers now; otherwise on the first step."""
+        # a Flax NNX / Equinox module trains as its params() dict; the rest is held fixed
+        self._traced_fn, (params,), forms = lower_args(self.loss_fn, (params,), (0,))
+        self._form = forms.get(0)
+        if self._form is not None and not self._form.params():
+            raise ArgumentError(f"Trainer: the {self._form.cls} module has no float "
+                                "parameters to train")
         leaves, self._treedef = jax.tree_util.tree_flatten(params)
         for i, x in enumerate(leaves):
             if not hasattr(x, "dtype") or not jax.dtypes.issubdtype(x.dtype, np.inexact):
@@ -184,9 +193,11 @@ class Trainer:
         return state
 
     def params(self, state: TrainState) -> Any:
-        """The parameters as a concrete pytree (gathered from replica 0's workers)."""
+        """The parameters as a concrete pytree (gathered from replica 0's workers); for
+        a Flax NNX or Equinox model, a new module of the user's class holding them."""
         leaves, _ = self.gather(state)
-        return jax.tree_util.tree_unflatten(self._treedef, leaves)
+        params = jax.tree_util.tree_unflatten(self._treedef, leaves)
+        return params if self._form is None else self._form.rebuild(params)
 
     def opt_state(self, state: TrainState) -> list[Any]:
         """The optimizer state of each group (stage), concrete."""
@@ -234,7 +245,7 @@ class Trainer:
         pavals = jax.tree_util.tree_unflatten(self._treedef, [
             jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in self._template])
         try:
-            model = trace_model(self.loss_fn, (pavals, *batch), {}, self.options, self.client,
+            model = trace_model(self._traced_fn, (pavals, *batch), {}, self.options, self.client,
                                 splits=r * m)
         except MicrobatchError as e:
             raise MicrobatchError(f"{e} (replicas={r} x microbatches={m})") from None
