@@ -38,7 +38,10 @@ def is_array(x: Any) -> bool:
 
 def fmt_aval(aval: Any) -> str:
     """Short 'f32[512,1024]' text for a shape/dtype record or array."""
-    dt = np.dtype(aval.dtype)
+    try:
+        dt = np.dtype(aval.dtype)
+    except TypeError:                    # an extended dtype (a PRNG key array)
+        return f"{aval.dtype}[{','.join(map(str, aval.shape))}]"
     code = {"f": "f", "i": "i", "u": "u", "b": "bool", "c": "c"}.get(dt.kind, dt.kind)
     name = "bool" if code == "bool" else f"{code}{dt.itemsize * 8}"
     return f"{name}[{','.join(map(str, aval.shape))}]"
@@ -308,8 +311,10 @@ def _infer(layer: Layer, treedef: Any, leaves: Sequence[Any], stage: int | None)
         out = jax.eval_shape(lambda *dyn: spec.call(list(dyn)), *avals)
     except Exception as e:  # re-raised with the layer, stage and shapes
         args, kwargs = jax.tree_util.tree_unflatten(treedef, [_describe(x) for x in leaves])
-        shown = ", ".join([*map(str, args), *(f"{k}={v}" for k, v in kwargs.items())])
+        shown = ", ".join([*map(_short, args), *(f"{k}={_short(v)}" for k, v in kwargs.items())])
         where = f" on stage {stage}" if stage is not None else ""
+        if isinstance(e, LayerTypeError):       # says what is wrong: add where
+            raise LayerTypeError(f"layer {layer.name!r}{where}: {e}") from e
         if isinstance(e, CustomRuleError):      # already says what is wrong
             e.add_note(f"dagdiff: while tracing layer {layer.name!r}{where} on arguments "
                        f"({shown})")
@@ -334,6 +339,12 @@ def _infer(layer: Layer, treedef: Any, leaves: Sequence[Any], stage: int | None)
             _INFER_CACHE.clear()
         _INFER_CACHE[key] = (spec, out_treedef, out_avals)
     return spec, out_treedef, out_avals
+
+
+def _short(x: Any) -> str:
+    """An argument as shown in an error: its text, or its type for a long one (a module)."""
+    text = str(x)
+    return text if len(text) <= 120 else f"<{type(x).__name__}>"
 
 
 def _hashable(x: Any) -> bool:
