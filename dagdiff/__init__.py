@@ -22,6 +22,7 @@ from __future__ import annotations
 from . import kernels
 from .api import grad, trace, value_and_grad
 from .cluster.local import local_cluster
+from .core.buckets import pad_to_bucket
 from .core.custom import CustomLayer, custom_layer
 from .core.keys import KeyInfo, key_info
 from .core.layer import Layer, layer
@@ -49,7 +50,8 @@ from .errors import (
     WorkerLostError,
 )
 from .inspect.graph import TracedGraph
-from .inspect.metrics import peak_live, remat_count, reset_peak_live, reset_remat_count
+from .inspect.metrics import (compile_counts, peak_live, remat_count, reset_peak_live,
+                              reset_remat_count)
 from .inspect.planner import Prediction, best_schedule, predict
 from .inspect.profile import Profile, profile
 from .inspect.record import record
@@ -97,6 +99,8 @@ __all__ = [
     "save",
     "load",
     "remat_count",
+    "compile_counts",
+    "pad_to_bucket",
     "reset_remat_count",
     "peak_live",
     "reset_peak_live",

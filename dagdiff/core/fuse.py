@@ -10,7 +10,7 @@ import jax
 
 from .layer import Layer
 from .spec import CallSpec, make_call_spec
-from .tracer import Node, Trace, Traced
+from .tracer import Node, Trace, Traced, aval_of
 
 
 __all__ = ["Segment", "fuse_trace", "run_length_name"]
@@ -140,7 +140,8 @@ def _fuse(new: Trace, seg: list[Node], used_outside: set[tuple[int, int]],
     treedef = jax.tree_util.tree_structure((tuple(range(len(ext))), {}))
     diff = tuple(isinstance(x, Traced) and x.requires_grad for x in ext)
     spec = make_call_spec(layer, treedef, ("d",) * len(ext), (None,) * len(ext), diff)
-    spec = spec.with_outputs(tuple(avals))
+    spec = spec.with_outputs(tuple(avals), [x.aval if isinstance(x, Traced) else aval_of(x)
+                                            for x in ext])
     node = Node(index=len(new.nodes), kind="call", name=layer.name, stage=stage,
                 out_treedef=jax.tree_util.tree_structure(tuple(range(len(avals)))),
                 out_avals=tuple(avals), requires_grad=any(diff), spec=spec,

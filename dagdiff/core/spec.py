@@ -51,9 +51,13 @@ class CallSpec:
         args, kwargs = jax.tree_util.tree_unflatten(self.in_treedef, leaves)
         return self.layer.fn(*args, **kwargs)
 
-    def with_outputs(self, out_avals: tuple[jax.ShapeDtypeStruct, ...]) -> "CallSpec":
-        """This spec with its output avals, which are part of the fingerprint."""
-        sig = tuple((a.shape, str(a.dtype)) for a in out_avals)
+    def with_outputs(self, out_avals: tuple[jax.ShapeDtypeStruct, ...],
+                     in_avals: Sequence[Any] = ()) -> "CallSpec":
+        """This spec with its output avals; they and the dynamic inputs' avals are part of
+        the fingerprint, so one fingerprint is one compiled signature (a new sequence
+        length is a new one, counted by `dd.compile_counts`)."""
+        sig = (tuple((a.shape, str(a.dtype)) for a in out_avals),
+               tuple((tuple(a.shape), str(a.dtype)) for a in in_avals))
         new = dataclasses.replace(self, out_avals=out_avals,
                                   fingerprint=f"{self.fingerprint}-{tokenize(sig)[:8]}")
         object.__setattr__(new, "_treedef", self.__dict__.get("_treedef"))

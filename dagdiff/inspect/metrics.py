@@ -37,7 +37,10 @@ def reset_remat_count(client: Any = None) -> None:
 
 
 def compile_counts(client: Any = None) -> dict[str, int]:
-    """Layer signatures compiled per process ('local' and each worker address)."""
+    """Layer signatures compiled per process ('local' and each worker address): one per
+    layer, argument layout and shapes, so a batch of a new shape (a new sequence
+    length) adds one per layer it reaches, and a shape seen before adds none. Each
+    process keeps the most recently used `dagdiff.compiled-signatures` (default 1024)."""
     out = {"local": tasks.compile_count()}
     c = _client(client)
     if c is not None:

@@ -1,10 +1,12 @@
 """Worker-side jit caches of layer signatures, and the counters read by `dd.remat_count` etc."""
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 from typing import Any, Sequence
 
+import dask
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +16,7 @@ from .split import SplitBackward, partition
 
 
 __all__ = ["compiled", "track_live", "note_remat", "remat_count", "reset_remat_count",
-           "compile_count", "peak_live", "reset_peak_live"]
+           "compile_count", "cache_info", "peak_live", "reset_peak_live"]
 
 log = logging.getLogger(__name__)
 
@@ -212,16 +214,24 @@ def _signature(d: Sequence[Any], nd: Sequence[Any]) -> tuple[Any, ...]:
     return (treedef, *((getattr(x, "shape", None), getattr(x, "dtype", None)) for x in leaves))
 
 
-_CACHE: dict[str, _Compiled] = {}
+#: one entry per layer signature (function, argument layout, shapes): a batch whose
+#: shapes change makes new signatures, so the cache is bounded (least recently used
+#: first out; config ``dagdiff.compiled-signatures``, default 1024 per process)
+_CACHE: "collections.OrderedDict[str, _Compiled]" = collections.OrderedDict()
 
 
 _LOCK = threading.Lock()
 
 
-_COUNTS = {"remat": 0, "compile": 0}
+_COUNTS = {"remat": 0, "compile": 0, "evicted": 0}
+
+
+def _limit() -> int:
+    return max(1, int(dask.config.get("dagdiff.compiled-signatures", 1024)))
 
 
 def compiled(spec: CallSpec) -> _Compiled:
+    """The jitted functions of `spec`'s signature in this process (made on first use)."""
     c = _CACHE.get(spec.fingerprint)
     if c is None:
         with _LOCK:
@@ -229,6 +239,15 @@ def compiled(spec: CallSpec) -> _Compiled:
             if c is None:
                 c = _CACHE[spec.fingerprint] = _Compiled(spec)
                 _COUNTS["compile"] += 1
+                limit = _limit()
+                while len(_CACHE) > limit:
+                    _CACHE.popitem(last=False)
+                    _COUNTS["evicted"] += 1
+    else:
+        try:
+            _CACHE.move_to_end(spec.fingerprint)
+        except KeyError:                   # evicted by another thread meanwhile
+            pass
     return c
 
 
@@ -248,8 +267,16 @@ def reset_remat_count() -> None:
 
 
 def compile_count() -> int:
-    """Layer signatures compiled in this process (one per worker and signature, not per task)."""
+    """Layer signatures compiled in this process (one per worker and signature, not per
+    task; a batch of a new shape is a new signature)."""
     return _COUNTS["compile"]
+
+
+def cache_info() -> dict[str, int]:
+    """This process's signature cache: ``compiled`` (signatures made so far), ``cached``
+    (held now), ``evicted`` (dropped as least recently used) and ``limit``."""
+    return {"compiled": _COUNTS["compile"], "cached": len(_CACHE),
+            "evicted": _COUNTS["evicted"], "limit": _limit()}
 
 
 # live pullbacks per (stage, microbatch) tag, and the peak number of microbatches with a
