@@ -20,6 +20,10 @@ EXTRAS = {
     "tqdm.auto": "progress",
     "torch": "bench",
     "cryptography": "tls",
+    "flax": "flax",
+    "flax.nnx": "flax",
+    "flax.linen": "flax",
+    "equinox": "equinox",
 }
 
 

@@ -317,3 +317,18 @@ def test_nnx_and_eqx_pipelines_on_the_cluster(client2: Any) -> None:
                                           schedule="1f1b").compute(emodel, x, t)
         np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
         assert_same(got, want)
+
+
+def test_an_nnx_module_sharing_a_submodule_is_refused_with_the_reason() -> None:
+    class Tied(nnx.Module):
+        def __init__(self, rngs: Any) -> None:
+            self.a = nnx.Linear(D, D, rngs=rngs)
+            self.b = self.a                           # the same Linear twice
+
+        def __call__(self, x: Any) -> Any:
+            return self.b(self.a(x))
+
+    x, t = rand(1, (8, D)), rand(2, (8, D))
+    with pytest.raises(dd.ArgumentError, match="Tied module shares variables"):
+        dd.value_and_grad(lambda m, x, t: mse(dd.layer(m, stage=0)(x), t))(Tied(nnx.Rngs(0)),
+                                                                          x, t)

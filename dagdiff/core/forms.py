@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import numpy as np
 
+from ..errors import ArgumentError
 from .keys import sanitize
 from .modules import library_of, register_with_nnx
 from .tracer import is_array
@@ -49,6 +50,8 @@ class ModelForm:
             return None
         register_with_nnx()
         flat, treedef = jax.tree_util.tree_flatten_with_path(obj)
+        if kind == "nnx":
+            _check_unshared(obj, len(flat))
         trainable = _nnx_params(obj, len(flat)) if kind == "nnx" else [True] * len(flat)
         names: list[str | None] = []
         seen: set[str] = set()
@@ -92,6 +95,20 @@ class ModelForm:
         return (self.library, self.treedef, self.names,
                 tuple(None if n is not None else (np.shape(x), str(getattr(x, "dtype", "")))
                       if is_array(x) else None for n, x in zip(self.names, self.leaves)))
+
+
+def _check_unshared(module: Any, n: int) -> None:
+    """Refuse an NNX module that holds one variable or submodule in two places: as a
+    pytree it would become two copies with two gradients, where NNX sums them."""
+    nnx = sys.modules["flax.nnx"]
+    unique = len(jax.tree_util.tree_leaves(nnx.state(module)))
+    if unique != n:
+        raise ArgumentError(
+            f"the {type(module).__name__} module shares variables between submodules "
+            f"({n} array leaves as a pytree, {unique} distinct in nnx.state): dagdiff traces "
+            "a differentiated module as a pytree, which would give each place its own copy "
+            "and gradient. Not supported yet: tie the weights explicitly (pass the shared "
+            "array to both layers as an argument), or give each place its own variable")
 
 
 def _nnx_params(module: Any, n: int) -> list[bool]:
