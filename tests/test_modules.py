@@ -83,6 +83,22 @@ def test_nnx_model_grads_are_an_nnx_state_equal_to_nnx_value_and_grad(pipeline: 
     assert all(isinstance(v, jax.Array) for v in jax.tree_util.tree_leaves(model))
 
 
+def test_the_same_loss_function_for_nnx_and_dagdiff_and_a_plain_one_as_one_layer() -> None:
+    model, x, t = Net(nnx.Rngs(0)), rand(1, (8, D)), rand(2, (8, D))
+    # the loss with dd.layer calls runs eagerly under nnx.value_and_grad as well
+    want_loss, want = nnx.value_and_grad(nnx_loss)(model, x, t)
+    got_loss, got = dask.compute(*dd.value_and_grad(nnx_loss)(model, x, t))
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+    assert_same(got, want)
+    # a plain NNX loss (no dd.layer anywhere) runs as one layer: one forward, one VJP task
+    graph = dd.trace(nnx_ref)(model, x, t)
+    assert [n.name for n in graph.trace.nodes if n.kind == "call"] == ["nnx_ref"]
+    want_loss, want = nnx.value_and_grad(nnx_ref)(model, x, t)
+    got_loss, got = dask.compute(*dd.value_and_grad(nnx_ref)(model, x, t))
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+    assert_same(got, want)
+
+
 def test_nnx_layers_stored_in_the_model_and_a_sequential_split_into_stages() -> None:
     class Stored(nnx.Module):          # dd.layer inside the model: the loss calls model(x)
         def __init__(self, rngs: Any) -> None:

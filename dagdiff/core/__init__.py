@@ -2,6 +2,7 @@
 backward plan, fusion and stage balancing. Nothing here imports `distributed`."""
 from __future__ import annotations
 
+from . import modules  # noqa: F401  (dd.layer of Flax/Equinox modules; registers with layer)
 from . import ops  # noqa: F401  (operators on traced values; fills tracer.OPERATORS)
 
 

@@ -17,7 +17,7 @@ from .stage import check_stage
 from .tracer import call_layer
 
 
-__all__ = ["Layer", "layer"]
+__all__ = ["Layer", "layer", "register_maker"]
 
 
 class Layer:
@@ -123,10 +123,23 @@ def layer(
     """
     if fn is None:
         return lambda f: layer(f, name=name, remat=remat, stage=stage)
-    from .modules import library_of, module_layer      # modules builds on Layer
-    if library_of(fn) is not None:
-        return module_layer(fn, name, remat, stage)
+    for make in _MAKERS:                   # a model library's module (dagdiff.core.modules)
+        made = make(fn, name, remat, stage)
+        if made is not None:
+            return made
     return Layer(fn, name=name, remat=remat, stage=stage)
+
+
+#: functions (obj, name, remat, stage) -> Layer | None that `layer` asks first: how
+#: `dagdiff.core.modules` makes layers of Flax and Equinox modules (it builds on Layer)
+_MAKERS: list[Callable[[Any, str | None, bool, int | None], "Layer | None"]] = []
+
+
+def register_maker(make: Callable[[Any, str | None, bool, int | None], "Layer | None"]
+                   ) -> None:
+    """Let `make` turn objects of another kind (a module instance) into layers."""
+    if make not in _MAKERS:
+        _MAKERS.append(make)
 
 
 _REVIVED: "collections.OrderedDict[str, Layer]" = collections.OrderedDict()

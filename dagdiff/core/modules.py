@@ -24,7 +24,7 @@ import jax
 
 from ..errors import LayerTypeError
 from .keys import sanitize
-from .layer import Layer
+from .layer import Layer, register_maker
 from .stage import check_stage
 from .tracer import call_layer
 
@@ -183,13 +183,18 @@ def register_with_nnx() -> None:
 
 
 def module_layer(module: Any, name: str | None, remat: bool, stage: int | None
-                 ) -> Layer:
-    """`dd.layer` of a model library's module instance."""
+                 ) -> Layer | None:
+    """`dd.layer` of a model library's module instance (None for anything else)."""
     kind = library_of(module)
+    if kind is None:
+        return None
     if kind == "linen":
         return linen_layer(module, name, remat, stage)
     register_with_nnx()
     return ModuleLayer(module, name=name, remat=remat, stage=stage)
+
+
+register_maker(module_layer)
 
 
 def linen_layer(module: Any, name: str | None, remat: bool, stage: int | None) -> Layer:

@@ -12,7 +12,7 @@ from .layer import Layer
 from .tracer import OPERATORS
 
 
-__all__ = ["getitem"]
+__all__ = ["getitem", "OPERATOR_LAYERS"]
 
 
 class _Index:
@@ -80,3 +80,7 @@ OPERATORS.update({name: Layer(getattr(operator, name), name=name)
                   for name in ("add", "sub", "mul", "truediv", "matmul", "pow")})
 OPERATORS.update(neg=Layer(operator.neg, name="neg"),
                  transpose=Layer(_transpose, name="transpose"), getitem=getitem)
+
+#: the layers recorded for operators and indexing on traced values (not the user's)
+OPERATOR_LAYERS: frozenset[Layer] = frozenset(
+    [_GETITEM, *(v for v in OPERATORS.values() if isinstance(v, Layer))])

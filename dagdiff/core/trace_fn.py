@@ -2,16 +2,24 @@
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
 
 from ..errors import ArgumentError, DagdiffError, TracerError
+from .layer import Layer
+from .ops import OPERATOR_LAYERS
 from .tracer import Trace, Traced, fmt_aval, is_array
 
 
 __all__ = ["trace_call", "argnums_of", "argnames", "is_input", "split_aux", "check_loss"]
+
+log = logging.getLogger(__name__)
+
+#: names of loss functions already told that they run as one layer
+_SAID_WHOLE: set[str] = set()
 
 
 def argnums_of(argnums: int | Sequence[int], n: int, fname: str,
@@ -62,7 +70,22 @@ def trace_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
             out = fn(*targs, **tkw)
         except (TypeError, ValueError) as e:
             text = str(e)
-            if isinstance(e, DagdiffError) or not ("__jax_array__" in text or "Traced" in text):
+            needs_data = isinstance(e, TracerError) and hasattr(e, "value")
+            if not needs_data and (isinstance(e, DagdiffError)
+                                   or not ("__jax_array__" in text or "Traced" in text)):
+                raise
+            if not isinstance(fn, Layer) and all(n.layer in OPERATOR_LAYERS
+                                                 for n in trace.nodes if n.kind == "call"):
+                # plain JAX (a model's own __call__), no dd.layer anywhere: the whole
+                # function is one layer, as jax.value_and_grad would see it
+                if name not in _SAID_WHOLE:             # once per function name
+                    _SAID_WHOLE.add(name)
+                    log.warning("dagdiff: %s calls no dd.layer, so it runs as one layer "
+                                "(one forward and one VJP task); wrap its parts with "
+                                "dd.layer to split it into tasks and stages", name)
+                whole = Layer(fn, name=name)
+                return trace_call(whole, args, kwargs, argnums, name)
+            if needs_data:
                 raise
             raise TracerError(
                 f"{name}: a JAX/NumPy function was applied to a traced value outside any "
