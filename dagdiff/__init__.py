@@ -4,15 +4,19 @@ The package, from the bottom up (each layer imports only those below it; CI chec
 with import-linter, see setup.cfg):
 
 - `errors`: every error type.
-- `core`: the model as data - layers, custom layers, stages, the tracer, the backward
-  plan, fusion, stage balancing (no Dask, no distributed);
+- `core`: the model as data - layers (Flax and Equinox modules too), custom layers,
+  stages, the tracer, the backward plan, fusion, stage balancing, batch buckets (no
+  distributed; of Dask only `dask.base.tokenize`, for stable fingerprints);
   `schedules`: pipeline schedules as pure data and their simulator (no JAX, no Dask).
 - `runtime`: what runs on the workers - task functions, jit caches, serializers, the
-  scheduler/worker plugins and direct dispatch.
+  scheduler/worker plugins and direct dispatch; `runtime.internals` is the one module
+  that touches distributed's private parts.
 - `cluster`: where stages run (targets, resident parameters) and `dd.local_cluster`.
 - `lowering`: traced model -> Dask tasks (keys, microbatches, schedule order, graph).
 - `build`: the one build path (trace, prepare, place, lower, assemble).
-- `inspect`: the graph picture, `dd.record` timelines, counters.
+- `inspect`: the graph picture, `dd.record` timelines, counters (read-only).
+- `plan`: `dd.profile` measurements, the `Profile` cost model, `dd.predict` and
+  `dd.best_schedule`.
 - `api` (`dd.value_and_grad`, `dd.grad`, `dd.trace`) and `train` (`dd.Trainer`,
   checkpoints): what users call. `kernels`: hand-written kernels with VJP rules;
   `examples`: the demo, the multimodal model, sleep stand-in stages.
@@ -52,8 +56,9 @@ from .errors import (
 from .inspect.graph import TracedGraph
 from .inspect.metrics import (compile_counts, peak_live, remat_count, reset_peak_live,
                               reset_remat_count)
-from .inspect.planner import Prediction, best_schedule, predict
-from .inspect.profile import Profile, profile
+from .plan.costs import Profile
+from .plan.predict import Prediction, best_schedule, predict
+from .plan.profile import profile
 from .inspect.record import record
 from .runtime.direct import install
 from .runtime.serialize import register as _register_serializers

@@ -87,11 +87,7 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
             try:
                 return tuple(client.compute(list(out), sync=True))
             except Exception as error:                 # noqa: BLE001 - classified below
-                targets = built.targets
-                slots = targets.kind == "slots"
-                workers = (set(targets.addresses.values()) if slots else
-                           {w for w in targets.of.values() if isinstance(w, str)})
-                gone = (lost_workers(client, workers,
+                gone = (lost_workers(client, built.targets.worker_addresses(),
                                      wait=10.0 if may_be_a_lost_worker(error) else 0.0)
                         if attempt < retries else ())
                 if not gone:

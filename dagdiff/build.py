@@ -2,8 +2,10 @@
 the backward, place the stages, lower to tasks and assemble the Dask graph.
 
 `dd.value_and_grad`, `dd.grad` and `dd.trace` call `build`; `dd.Trainer` shares its
-first half (`trace_model`, `targets_and_inputs`) and its last step (`assemble`), with
-its own lowering of replicas, all-reduce and updates in between (`dagdiff.train`).
+first half (`trace_model`: tracing, module arguments, stages and fusion) and its keys
+(`step_token`, `program_homes`, `resolve_dispatch`), then resolves its own targets
+(replica groups) and lowers replicas, all-reduce and updates itself
+(`dagdiff.train.trainer`), assembling with `dagdiff.lowering.graph` as `build` does.
 """
 from __future__ import annotations
 
@@ -43,11 +45,17 @@ from .schedules import Schedule, get_schedule
 
 
 __all__ = ["Options", "Model", "Build", "build", "trace_model", "targets_and_inputs",
-           "resolve_dispatch", "step_token", "without_gc", "DISPATCH_MODES"]
+           "resolve_dispatch", "step_token", "without_gc", "DISPATCH_MODES",
+           "LOWERING_SETTINGS"]
 
 log = logging.getLogger(__name__)
 
 DISPATCH_MODES = ("direct", "scheduler")
+
+#: Dask config that changes what a step's tasks do (read while lowering): part of
+#: `Options.token`, so of every key
+LOWERING_SETTINGS = ("dagdiff.fuse-loss-backward", "dagdiff.dashboard.live-actions",
+                     "dagdiff.direct.timeout")
 
 
 def _pos_int(value: Any) -> bool:
@@ -112,9 +120,12 @@ class Options:
         return self.schedule is not None
 
     def token(self) -> tuple[Any, ...]:
-        """What of the options is part of a step's task keys."""
+        """What of the options is part of a step's task keys, with the Dask config that
+        lowering reads (`LOWERING_SETTINGS`, at build time): two builds that differ only
+        in one of them get different keys."""
         return (self.argnums, self.has_aux, self.fuse, self.microbatches,
-                repr(self.schedule), self.batch_axis)
+                repr(self.schedule), self.batch_axis,
+                tuple(str(dask.config.get(k, None)) for k in LOWERING_SETTINGS))
 
 
 @dataclass(frozen=True)
@@ -139,7 +150,7 @@ class Model:
 
     @property
     def stages(self) -> set[int]:
-        return {n.stage for n in self.trace.nodes if n.kind == "call" and n.stage is not None}
+        return self.trace.stages
 
 
 @dataclass(frozen=True)
@@ -275,7 +286,7 @@ def targets_and_inputs(trace: Trace, stages: set[int], client: Any, options: Opt
                        ) -> tuple[Targets, dict[int, tuple[Any, int]]]:
     """Resolve stage targets (a pipeline's stages where its schedule's layout puts them)
     and, with a client, scatter resident parameters (once)."""
-    default = (stage_workers(options.schedule, max(stages) + 1)
+    default = (stage_workers(options.schedule, trace.num_stages)
                if options.pipelined and stages else None)
     targets = resolve_targets(stages, client, dict(options.placement), default)
     inputs: dict[int, tuple[Any, int]] = {}
@@ -290,7 +301,7 @@ def resolve_dispatch(dispatch: str | None, client: Any, targets: Targets) -> str
     """'direct' or 'scheduler' for a pipeline step (None: direct on a cluster, where
     dagdiff's worker plugin gives every worker its direct-dispatch runtime; any comm:
     tcp, tls, inproc, UCX)."""
-    if client is None or targets.kind not in ("slots", "workers") or dispatch == "scheduler":
+    if client is None or not targets.on_workers or dispatch == "scheduler":
         return "scheduler"
     if not ensure_colocation(client):  # dagdiff cannot be loaded on the workers
         if dispatch == "direct":
@@ -330,7 +341,7 @@ def build(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
     model = trace_model(fn, args, kwargs, options, client)
     trace = model.trace
     targets, inputs = targets_and_inputs(trace, model.stages, client, options)
-    devices = dict(targets.of) if targets.kind == "devices" else None
+    devices = targets.devices()
     home = home_stages(trace)
     mode = resolve_dispatch(options.dispatch, client, targets) if options.pipelined \
         else "scheduler"
@@ -368,12 +379,12 @@ def build(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
                 grad_keys(pg.grad_keys))
         direct = ({k for k in jax.tree_util.tree_leaves(keys) if isinstance(k, OutKey)}
                   if mode == "direct" else None)
-        if direct is not None and targets.kind in ("slots", "workers"):
+        if direct is not None and targets.on_workers:
             graph, plan, prio, where = assemble_direct(
                 pg.dsk, pg.stage_of, targets, token, priority=pg.priority, direct=direct)
             if tkey is not None:
                 tpl = templates.StepTemplate.capture(
-                    token, "dagdiff", plan, prio, where, targets.kind == "slots",
+                    token, "dagdiff", plan, prio, where, targets.slots,
                     {make_key("input", trace.nodes[i].path or "x", i, token): i
                      for i in model.batch},
                     {_key_of(f): n for n, (f, _) in inputs.items()}, keys)

@@ -5,6 +5,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import dagdiff as dd
 
@@ -129,3 +130,34 @@ def optax_reference(loss_fn: Any, opt: Any, params: Any, batches: Any) -> tuple[
         params = optax.apply_updates(params, updates)
         losses.append(float(value))
     return params, losses
+
+
+# --- shared by the pipeline tests -------------------------------------------------------
+#: the key of the pipeline tests' data (`data`)
+PIPE_KEY = jax.random.PRNGKey(7)
+
+
+def make_loss(n_stages: int) -> Any:
+    """A chain of n_stages dense layers, one per stage, and an mse loss on the last."""
+    def loss_fn(params: Any, x: Any, t: Any) -> Any:
+        h = x
+        for s in range(n_stages):
+            with dd.stage(s):
+                h = dense(params[s], h)
+        with dd.stage(n_stages - 1):
+            return mse(h, t)
+    return loss_fn
+
+
+def data(n_stages: int, batch: int = 16, width: int = 8) -> tuple[Any, Any, Any]:
+    """Parameters for `make_loss(n_stages)`, an input batch and targets."""
+    params = init_dense(PIPE_KEY, [width] * (n_stages + 1))
+    x = jax.random.normal(jax.random.fold_in(PIPE_KEY, 1), (batch, width))
+    t = jax.random.normal(jax.random.fold_in(PIPE_KEY, 2), (batch, width))
+    return params, x, t
+
+
+def close(got: Any, want: Any) -> None:
+    """Every leaf of `got` equals `want`'s (rtol 1e-5, atol 1e-6)."""
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

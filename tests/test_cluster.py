@@ -10,7 +10,7 @@ import pytest
 
 import dagdiff as dd
 from dagdiff.cluster.local import WORKER_MALLOC_ENV
-from tests.test_pipeline import close, data, make_loss
+from tests.models import close, data, make_loss
 
 
 def _env() -> dict[str, str | None]:

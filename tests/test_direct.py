@@ -18,7 +18,7 @@ from dagdiff.runtime.direct import Action as DirectAction, Program, linearize, r
 from dagdiff.runtime.direct import runtime as rt_mod
 from dagdiff.runtime.direct.messages import Value, pack
 from dagdiff.schedules import Action
-from tests.test_pipeline import close, data, make_loss
+from tests.models import close, data, make_loss
 
 
 # --- the worker order (pure) ------------------------------------------------------------

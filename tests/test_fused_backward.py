@@ -15,7 +15,7 @@ from dagdiff.lowering.pipeline import fused_microbatches
 from dagdiff.runtime.tasks import FwdResult, vjp_task
 from dagdiff.schedules import get_schedule
 from tests import models as M
-from tests.test_pipeline import close, data, make_loss
+from tests.models import close, data, make_loss
 
 
 def seeded(fn: Any, args: Any, **options: Any) -> list[str]:

@@ -323,3 +323,30 @@ def test_by_value_layers_compile_once_per_worker(client2: Any) -> None:
     assert len(sigs) == 3
     assert 1 <= new <= len(sigs) * 2, after    # at most once per worker and signature
     assert 4 * 5 > len(sigs) * 2               # ... far fewer than one compile per task
+
+
+@pytest.mark.parametrize("setting,values", [
+    ("dagdiff.fuse-loss-backward", (True, False)),
+    ("dagdiff.dashboard.live-actions", (True, False)),
+    ("dagdiff.direct.timeout", ("600s", "30s")),
+])
+def test_a_lowering_setting_is_part_of_every_key(setting: str, values: Any) -> None:
+    """Two builds that differ only in Dask config that lowering reads get different keys
+    (the scheduler would otherwise keep the first build's tasks under them)."""
+    from dagdiff.build import LOWERING_SETTINGS
+
+    assert setting in LOWERING_SETTINGS
+    params, x, t = setup([4, 8, 3], n=8)
+
+    def loss_fn(p: Any, x: Any, t: Any) -> Any:
+        with dd.stage(0):
+            h = M.dense(p[0], x)
+        with dd.stage(1):
+            return M.mse(M.dense(p[1], h), t)
+
+    step = dd.value_and_grad(loss_fn, microbatches=2, schedule="1f1b")
+    keys = []
+    for v in (values[0], values[0], values[1]):
+        with dask.config.set({setting: v}):
+            keys.append(step(params, x, t)[0].key)
+    assert keys[0] == keys[1] != keys[2]

@@ -10,7 +10,7 @@ import pytest
 
 import dagdiff as dd
 from dagdiff.inspect.record import PHASE_COLORS
-from tests.test_pipeline import data, make_loss
+from tests.models import data, make_loss
 
 
 def test_html_repr_lists_layers_stages_shapes_params_tasks() -> None:

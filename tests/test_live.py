@@ -14,7 +14,7 @@ from distributed.diagnostics.task_stream import rectangles
 
 import dagdiff as dd
 from dagdiff.runtime.live import MARKER, ROW, ActionReporter, is_live_action
-from tests.test_pipeline import data, make_loss
+from tests.models import data, make_loss
 
 
 def _action_log(dask_worker: Any = None) -> list[tuple[str, str, int]]:

@@ -17,7 +17,7 @@ import pytest
 
 import dagdiff as dd
 from tests.conftest import WORKER_ENV
-from tests.test_pipeline import close, data, make_loss
+from tests.models import close, data, make_loss
 
 N_WORKERS = 2
 PORT = 8786

@@ -11,31 +11,7 @@ import pytest
 import dagdiff as dd
 from dagdiff.schedules import Action
 from tests import models as M
-
-KEY = jax.random.PRNGKey(7)
-
-
-def make_loss(n_stages: int) -> Any:
-    def loss_fn(params: Any, x: Any, t: Any) -> Any:
-        h = x
-        for s in range(n_stages):
-            with dd.stage(s):
-                h = M.dense(params[s], h)
-        with dd.stage(n_stages - 1):
-            return M.mse(h, t)
-    return loss_fn
-
-
-def data(n_stages: int, batch: int = 16, width: int = 8) -> tuple[Any, Any, Any]:
-    params = M.init_dense(KEY, [width] * (n_stages + 1))
-    x = jax.random.normal(jax.random.fold_in(KEY, 1), (batch, width))
-    t = jax.random.normal(jax.random.fold_in(KEY, 2), (batch, width))
-    return params, x, t
-
-
-def close(got: Any, want: Any) -> None:
-    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+from tests.models import close, data, make_loss
 
 
 @pytest.mark.parametrize("schedule,n_stages,m", [

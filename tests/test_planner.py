@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 import dagdiff as dd
-from dagdiff.inspect.planner import timeline
-from dagdiff.inspect.profile import LayerCost, StageProfile, hop_samples, stage_actions
+from dagdiff.plan.costs import LayerCost, StageProfile
+from dagdiff.plan.measure import hop_samples, stage_actions
+from dagdiff.plan.predict import timeline
 from dagdiff.inspect.record import Recording, TaskRecord
 from dagdiff.schedules import SCHEDULES, get_schedule, simulate
 from tests import models as M
@@ -371,7 +372,7 @@ def test_vanishing_contention_is_the_plain_simulation(name: str, p: int, m: int)
 
 
 def test_fit_contention_finds_an_even_share() -> None:
-    from dagdiff.inspect.profile import fit_contention, overlap_segments, work
+    from dagdiff.plan.measure import fit_contention, overlap_segments, work
 
     # every action has 1 s of work: alone it takes 1 s, next to the other worker 2 s
     def t(w: str, a: float, b: float, k: str, g: int, mb: int) -> TaskRecord:

@@ -14,7 +14,7 @@ import pytest
 from distributed import wait
 
 import dagdiff as dd
-from tests.test_pipeline import close, data, make_loss
+from tests.models import close, data, make_loss
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 

@@ -15,7 +15,7 @@ import dagdiff as dd
 from dagdiff.runtime import compiled as compiled_mod
 from dagdiff.runtime.split import partition
 from dagdiff.runtime.tasks import FwdResult, fwd_task, vjp_task
-from tests.test_pipeline import close, data, make_loss
+from tests.models import close, data, make_loss
 
 
 def stack(b0: Any, w0: Any, b1: Any, w1: Any, b2: Any, w2: Any, h: Any) -> Any:

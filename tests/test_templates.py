@@ -13,7 +13,7 @@ import pytest
 import dagdiff as dd
 from dagdiff.lowering import template as templates
 from tests.models import optax_reference
-from tests.test_pipeline import close, data, make_loss
+from tests.models import close, data, make_loss
 
 pytestmark = pytest.mark.distributed
 

@@ -8,9 +8,9 @@ from typing import Any
 
 import dask
 from distributed import LocalCluster, Nanny
-from distributed.deploy.cluster import Cluster
 
 from ..errors import ArgumentError
+from ..runtime.internals import cluster_status_hook, correct_state
 from ..runtime.plugins import ColocateVJP
 
 
@@ -73,10 +73,8 @@ def _slotted(base: type) -> type:
             so a cluster whose workers restart slowly (JAX imports on a loaded machine)
             shrank for good after a few losses. Here the nanny stays: it restarts its
             worker, however long that takes and however often it happens."""
-            if op == "remove" and getattr(self, "_dagdiff_keep_size", True):
-                Cluster._update_worker_status(self, op, msg)
-            else:
-                super()._update_worker_status(op, msg)
+            cluster_status_hook(self, base, op, msg,
+                                keep_nanny=getattr(self, "_dagdiff_keep_size", True))
 
         def new_worker_spec(self) -> dict[Any, Any]:
             spec = {}
@@ -184,7 +182,7 @@ def local_cluster(
         options.pop("env", None)
     cluster = cls(**options)
     cluster.scale(n)
-    cluster.sync(cluster._correct_state)
+    correct_state(cluster)
     if not quiet and dashboard_address is not None:
         print(f"dagdiff: {n} worker(s); dashboard at {cluster.dashboard_link}")
     return cluster

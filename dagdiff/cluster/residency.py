@@ -36,9 +36,8 @@ def resident_inputs(trace: Any, client: Any, targets: Targets, home: Mapping[int
                 and hit[1].status == "finished"):
             out[n.index] = (hit[1], -1)
             continue
-        t = targets.target(home.get(n.index))
-        addr = targets.addresses.get(t) if targets.kind == "slots" else t
-        todo.append((n.index, n.value, [addr] if isinstance(addr, str) else None, stamp))
+        addr = targets.address(home.get(n.index))
+        todo.append((n.index, n.value, [addr] if addr is not None else None, stamp))
     for idx, value, workers, stamp in todo:
         fut = client.scatter(value, workers=workers, hash=False)
         try:

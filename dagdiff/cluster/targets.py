@@ -33,7 +33,35 @@ class Targets:
     moved: Mapping[int, tuple[str, str]] = dataclasses.field(default_factory=dict)
 
     def target(self, stage: int | None) -> Any:
+        """The slot name / worker address / device index of `stage` (None: unstaged)."""
         return None if stage is None else self.of.get(stage)
+
+    @property
+    def on_workers(self) -> bool:
+        """Whether stages run on distributed workers (slots or addresses)."""
+        return self.kind in ("slots", "workers")
+
+    @property
+    def slots(self) -> bool:
+        """Whether stages are placed by slot resources (their workers may be replaced)."""
+        return self.kind == "slots"
+
+    def address(self, stage: int | None) -> str | None:
+        """The worker address `stage` runs on now (None without a cluster, or unstaged)."""
+        t = self.target(stage)
+        addr = self.addresses.get(t) if self.slots else t
+        return addr if isinstance(addr, str) else None
+
+    def worker_addresses(self) -> set[str]:
+        """The workers a step placed by these targets depends on: every slot's worker
+        (slots), or every worker a stage runs on (addresses)."""
+        if self.slots:
+            return set(self.addresses.values())
+        return {w for w in self.of.values() if isinstance(w, str)}
+
+    def devices(self) -> dict[int, int] | None:
+        """Stage -> local JAX device index, when stages run on this process's devices."""
+        return dict(self.of) if self.kind == "devices" else None
 
 
 def resolve_targets(stages: set[int], client: Any, placement: Mapping[int, Any] | None,

@@ -207,6 +207,17 @@ class Trace:
         self.nodes: list[Node] = []
         self.closed = False
 
+    @property
+    def stages(self) -> set[int]:
+        """The stages of its layer calls (unstaged calls left out)."""
+        return {n.stage for n in self.nodes if n.kind == "call" and n.stage is not None}
+
+    @property
+    def num_stages(self) -> int:
+        """1 + the highest stage of its layer calls (0 when none is staged)."""
+        stages = self.stages
+        return max(stages) + 1 if stages else 0
+
     def __enter__(self) -> "Trace":
         self._token = _ACTIVE.set(self)
         return self

@@ -327,7 +327,7 @@ def record(client: Any = None) -> Iterator[Recording]:
 
 
 def _worker_times(client: Any, data: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per worker address, what its process logged (`dagdiff.direct.compute_log`): the
+    """Per worker address, what its process logged (`dagdiff.runtime.direct.runtime.DirectRuntime.compute_log`): the
     actions of direct-dispatch programs, and each task's start in one clock (the task
     stream's times jump with the workers' clock-offset estimates, which can swap
     neighbouring tasks)."""

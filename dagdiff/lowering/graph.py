@@ -45,7 +45,7 @@ def assemble(dsk: dict[str, Any], stage_of: Mapping[str, int | None], targets: T
     their worker's program (a Trainer's new parameters)."""
     priority = dict(priority or {})
     name = f"dagdiff-{token}"
-    if direct is not None and targets.kind in ("slots", "workers"):
+    if direct is not None and targets.on_workers:
         return assemble_direct(dsk, stage_of, targets, token, priority=priority,
                                direct=direct, outputs=outputs)[0]
     annotations = annotations_for(stage_of, targets)
@@ -62,7 +62,7 @@ def assemble_direct(dsk: dict[str, Any], stage_of: Mapping[str, int | None], tar
     """`assemble` with direct dispatch, and its parts: the rewritten graph, each task's
     priority and worker (what a step template keeps)."""
     worker_of = {k: targets.target(s) for k, s in stage_of.items()}
-    slots = targets.kind == "slots"
+    slots = targets.slots
     plan = rewrite(dsk, worker_of, priority, direct, targets.addresses, token,
                    slots=slots, outputs=set(outputs))
     where = {k: w for k, w in worker_of.items() if w is not None and k in plan.dsk}

@@ -22,6 +22,8 @@ import dask
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.metrics import time as now
 
+from .internals import scheduler_delay, task_stream_record
+
 
 __all__ = ["TOPIC", "MARKER", "ROW", "INTERVAL", "enabled", "ActionReporter", "LiveActions",
            "is_live_action"]
@@ -37,7 +39,6 @@ MARKER = "action"
 ROW = "dagdiff-actions"
 #: seconds between a program's reports (a 20 ms action is on the dashboard ~0.1 s later)
 INTERVAL = 0.1
-_TASK_STREAM = "task-stream"       # distributed.diagnostics.task_stream.TaskStreamPlugin.name
 
 
 def enabled() -> bool:
@@ -68,7 +69,7 @@ class ActionReporter:
         is closing drops it)."""
         if not self.pending:
             return
-        delay = float(getattr(self.worker, "scheduler_delay", 0.0) or 0.0)
+        delay = scheduler_delay(self.worker)
         batch = [[k, a + delay, b + delay] for k, a, b in self.pending]
         self.pending = []
         try:
@@ -94,16 +95,11 @@ class LiveActions(SchedulerPlugin):
     def log_event(self, topic: str, msg: Any) -> None:
         if topic != TOPIC or self.scheduler is None or not isinstance(msg, dict):
             return
-        stream = self.scheduler.plugins.get(_TASK_STREAM)
-        if stream is None:                  # nobody watches: nothing to draw
-            return
         worker, program = msg.get("worker"), msg.get("program")
         for key, start, stop in msg.get("actions", ()):
-            stream.transition(key, "processing", "memory",
-                              startstops=[{"action": "compute", "start": start,
-                                           "stop": stop}],
-                              worker=worker, thread=ROW, status="OK", nbytes=0,
-                              type=None, typename=None, program=program, dagdiff=MARKER)
+            if not task_stream_record(self.scheduler, key, start, stop, worker, thread=ROW,
+                                      program=program, dagdiff=MARKER):
+                return                      # nobody watches: nothing to draw
 
 
 def is_live_action(record: Any) -> bool:

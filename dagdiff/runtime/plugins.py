@@ -22,6 +22,8 @@ from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 from ..core.keys import is_backward_of, is_forward
 from .direct import install
 from .direct.runtime import PEER_LOST_OP
+from .internals import (amm_policies, pin_task, shorten_interval, stream_comms, unpin_task,
+                        worker_stream)
 from .live import LiveActions
 from .serialize import register
 
@@ -58,17 +60,14 @@ class ColocateVJP(SchedulerPlugin):
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
-        for addr in list(getattr(scheduler, "stream_comms", {})):
+        for addr in list(stream_comms(scheduler)):
             self.add_worker(scheduler, addr)
         _keep_forward_replicas(scheduler)
 
     def add_worker(self, scheduler: Any = None, worker: Any = None) -> None:
         """Low-latency mode: flush scheduler->worker messages every `_latency()` s (5 ms in
         distributed), so a dependent chain of tasks waits less between hops."""
-        comm = getattr(self.scheduler, "stream_comms", {}).get(worker)
-        latency = _latency()
-        if comm is not None and latency is not None:
-            comm.interval = min(comm.interval, latency)
+        shorten_interval(stream_comms(self.scheduler).get(worker), _latency())
         self._announce("add", worker)
 
     def remove_worker(self, scheduler: Any = None, worker: Any = None, **kwargs: Any) -> None:
@@ -109,16 +108,15 @@ class ColocateVJP(SchedulerPlugin):
             if (is_backward_of(k, key)
                     and "workers" not in (dts.annotations or {})):  # explicit placement wins
                 if pin is not None:
-                    dts.worker_restrictions = pin
-                    dts.loose_restrictions = False
-                elif dts.worker_restrictions:
-                    dts.worker_restrictions = None
+                    pin_task(dts, pin)
+                else:
+                    unpin_task(dts)
 
 
 class LoadDagdiff(WorkerPlugin):
     """Import dagdiff on every worker (present and future) so that its serializers for
     jax arrays are registered before any data arrives, and install the worker's
-    direct-dispatch runtime (`dagdiff.direct.DirectRuntime`)."""
+    direct-dispatch runtime (`dagdiff.runtime.direct.runtime.DirectRuntime`)."""
 
     name = "dagdiff-load"
     #: a second client's registration keeps the workers' copy (distributed would otherwise
@@ -128,10 +126,8 @@ class LoadDagdiff(WorkerPlugin):
     def setup(self, worker: Any) -> None:
         register()                  # sizeof and serializers of jax arrays (idempotent)
         self.runtime = install(worker)
-        stream = getattr(worker, "batched_stream", None)
-        latency = _latency()
-        if stream is not None and latency is not None:  # worker->scheduler: 2 ms by default
-            stream.interval = min(stream.interval, latency)
+        # worker->scheduler: 2 ms by default
+        shorten_interval(worker_stream(worker), _latency())
 
     def teardown(self, worker: Any) -> None:
         """Nothing to undo: the runtime belongs to the worker (its extension ``"dagdiff"``,
@@ -156,13 +152,12 @@ def _keep_forward_replicas(scheduler: Any) -> None:
     """Stop the Active Memory Manager's ReduceReplicas policy: it may drop the original
     forward result (the one holding the pullback) and keep a consumer's copy, which forces
     the VJP task to fetch the copy back and rematerialize."""
-    amm = getattr(scheduler, "extensions", {}).get("amm")
-    if amm is None:
+    policies = amm_policies(scheduler)
+    if policies is None:
         return
-
-    for policy in list(amm.policies):
+    for policy in list(policies):
         if isinstance(policy, ReduceReplicas):
-            amm.policies.discard(policy)
+            policies.discard(policy)
             log.info("dagdiff: removed the AMM ReduceReplicas policy (keeps pullbacks local)")
 
 

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from dask.sizeof import sizeof
 from dask.tokenize import normalize_token
-from distributed.protocol.numpy import deserialize_numpy_ndarray, serialize_numpy_ndarray
 
+from .internals import deserialize_numpy_ndarray, serialize_numpy_ndarray
 from .tasks import FwdResult
 
 

@@ -48,7 +48,7 @@ def simulate(
     B = b, I = i and W = w (both default to b / 2), each divided by the number of
     virtual stages. ``bubble_fraction`` = 1 - sum(busy) / (p * makespan).
 
-    Measured costs (`dagdiff.inspect.planner` passes a profile's): ``stage_costs[g]`` maps
+    Measured costs (`dagdiff.plan.predict` passes a profile's): ``stage_costs[g]`` maps
     kinds "F", "B", "I", "W" to the cost of one action at global stage g, as is (not
     divided by the virtual stages); a kind it leaves out is derived from the stage's
     others (B = I + W when both are given, I = W = B / 2 when B is) or else takes the

@@ -49,7 +49,7 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
             timeout: float | None = None, outputs: Collection[str] = ()) -> DirectGraph:
     """Turn every task that has a worker (and is not in `keep`, the step's outputs that
     stay ordinary tasks, and does not wait on an ordinary task) into an action of its
-    worker's program (see `dagdiff.direct.plan`).
+    worker's program (see `dagdiff.runtime.direct.plan`).
 
     Each program reads the step's ``run_`` task, a fresh nonce computed once per
     submission: computing the step again (the same Delayed, a re-run cell) runs the

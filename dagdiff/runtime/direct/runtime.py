@@ -29,6 +29,7 @@ from distributed.comm import connect
 from distributed.metrics import time as now
 
 from ...errors import DirectDispatchError, UpstreamError
+from ..internals import scheduler_delay
 from ..live import ActionReporter
 from ..taskspec import Task
 from .messages import End, Failure, Message, Value, pack
@@ -512,7 +513,7 @@ class DirectRuntime:
         key, one list per run (oldest first) of (action key, start, stop) of its actions;
         ``"starts"``: per task key, when each of its runs began executing (oldest first)."""
         want = None if keys is None else set(keys)
-        delay = float(getattr(self.worker, "scheduler_delay", 0.0) or 0.0)
+        delay = scheduler_delay(self.worker)
         runs: dict[str, dict[int, list[tuple[str, float, float]]]] = {}
         for k, a, b, pk, n in list(self.log):
             if want is None or pk in want:

@@ -20,10 +20,9 @@ from typing import Any, Callable
 
 from distributed.comm import connect
 from distributed.comm.core import CommClosedError
-from distributed.core import Status
 from distributed.protocol import Serialize, Serialized
-from distributed.protocol.serialize import merge_and_deserialize
 
+from ..internals import DONT_REPLY, merge_and_deserialize, raw_comm
 from .messages import Message, from_wire, to_wire
 
 
@@ -151,7 +150,7 @@ class Transport:
         """Handler of ``dagdiff_stream``: read the peer's messages until it hangs up.
         Values are deserialized one by one, so one that fails becomes an error for its
         key and the stream goes on."""
-        comm.deserialize = False
+        raw_comm(comm)
         while not comm.closed():
             try:
                 msgs = await comm.read()
@@ -170,7 +169,7 @@ class Transport:
                     self.deliver(msg)
                 except Exception:               # noqa: BLE001 - never stop the stream
                     log.exception("dagdiff: delivering a message failed")
-        return Status.dont_reply
+        return DONT_REPLY
 
     def close(self) -> None:
         """Stop sending: queued messages fail, comms are closed."""

@@ -11,10 +11,9 @@ from dask.utils import parse_bytes
 
 from ..errors import ArgumentError, ScheduleError
 from ..extras import require
+from ..inspect.record import PHASE_COLORS, Recording
 from ..schedules import SCHEDULES, Schedule, get_schedule, simulate
-from .profile import Profile, _bytes, html_table
-from .record import PHASE_COLORS, Recording
-
+from .costs import Profile, fmt_bytes, html_table
 
 __all__ = ["Prediction", "predict", "best_schedule", "timeline"]
 
@@ -75,8 +74,8 @@ class Prediction:
 
     def _rows(self) -> list[list[str]]:
         return [[str(w), ",".join(map(str, self.layout[w])), f"{self.busy[w] * 1e3:.1f}",
-                 str(self.peak_live[w]), _bytes(self.activation_bytes[w]),
-                 _bytes(self.param_bytes[w]), _bytes(self.memory[w])]
+                 str(self.peak_live[w]), fmt_bytes(self.activation_bytes[w]),
+                 fmt_bytes(self.param_bytes[w]), fmt_bytes(self.memory[w])]
                 for w in range(self.workers)]
 
     _HEAD = ["worker", "stages", "busy ms", "peak live", "activations", "params", "memory"]
@@ -222,8 +221,8 @@ def best_schedule(profile: Profile, microbatches: int | Iterable[int] | None = N
                 why.append(f"{name} m={m}: {str(e).split('; fix')[0]}")
                 continue
             if limit is not None and pred.peak_memory > limit:
-                why.append(f"{name} m={m}: needs {_bytes(pred.peak_memory)} > "
-                           f"{_bytes(limit)} on a worker")
+                why.append(f"{name} m={m}: needs {fmt_bytes(pred.peak_memory)} > "
+                           f"{fmt_bytes(limit)} on a worker")
                 continue
             found.append((name, m, pred))
     if not found:

@@ -1,0 +1,138 @@
+"""distributed's internals that dagdiff relies on, in one place (as `taskspec` is for
+`dask._task_spec`): every private attribute or function is reached through here, and
+`tests/test_internals.py` checks each by name, so a distributed release that changes
+one fails that test, naming it, instead of a pipeline step somewhere.
+
+Public API is used wherever it exists; what is left here has no public equivalent:
+- scheduler <-> worker batched streams: their flush interval (`BatchedSend.interval`),
+  lowered for pipeline hops (`Scheduler.stream_comms`, `Worker.batched_stream`);
+- task placement after submission: `TaskState.worker_restrictions` /
+  `loose_restrictions` (a VJP task pinned to its forward's worker);
+- the Active Memory Manager's policy set (`ActiveMemoryManagerExtension.policies`);
+- the worker's estimate of its clock offset to the scheduler (`Worker.scheduler_delay`);
+- raw comms for direct dispatch: `Comm.deserialize`, `Status.dont_reply`,
+  `merge_and_deserialize`, NumPy's (de)serializers;
+- the task-stream plugin's record format (its `transition` hook);
+- `SpecCluster`'s worker-status hook and state correction (`_update_worker_status`,
+  `_correct_state`).
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from distributed.core import Status
+from distributed.deploy.cluster import Cluster
+from distributed.protocol.numpy import deserialize_numpy_ndarray, serialize_numpy_ndarray
+from distributed.protocol.serialize import merge_and_deserialize
+
+
+__all__ = ["DONT_REPLY", "merge_and_deserialize", "serialize_numpy_ndarray",
+           "deserialize_numpy_ndarray", "stream_comms", "worker_stream", "shorten_interval", "pin_task",
+           "unpin_task", "task_pinned", "amm_policies", "scheduler_delay", "raw_comm",
+           "task_stream_record", "cluster_status_hook", "correct_state", "REQUIRED"]
+
+#: a handler's return value that tells distributed not to answer on the comm
+DONT_REPLY = Status.dont_reply
+
+#: (where, attribute) pairs this module relies on; `tests/test_internals.py` checks them
+#: on the installed distributed (the class, or a live instance for instance attributes)
+REQUIRED: tuple[tuple[str, str], ...] = (
+    ("distributed.core.Status", "dont_reply"),
+    ("distributed.protocol.serialize", "merge_and_deserialize"),
+    ("distributed.protocol.numpy", "serialize_numpy_ndarray"),
+    ("distributed.protocol.numpy", "deserialize_numpy_ndarray"),
+    ("distributed.deploy.cluster.Cluster", "_update_worker_status"),
+    ("distributed.deploy.spec.SpecCluster", "_update_worker_status"),
+    ("distributed.deploy.spec.SpecCluster", "_correct_state"),
+    ("distributed.scheduler.TaskState", "worker_restrictions"),
+    ("distributed.scheduler.TaskState", "loose_restrictions"),
+    ("Scheduler instance", "stream_comms"),
+    ("Scheduler instance", "extensions['amm'].policies"),
+    ("Scheduler instance", "plugins['task-stream'].transition"),
+    ("Worker instance", "batched_stream.interval"),
+    ("Worker instance", "scheduler_delay"),
+    ("Comm instance", "deserialize"),
+)
+
+#: the name distributed's TaskStreamPlugin registers under
+TASK_STREAM = "task-stream"
+
+
+def stream_comms(scheduler: Any) -> Mapping[str, Any]:
+    """The scheduler's batched stream to each worker (address -> BatchedSend)."""
+    return getattr(scheduler, "stream_comms", {})
+
+
+def worker_stream(worker: Any) -> Any:
+    """The worker's batched stream to the scheduler (a BatchedSend), or None."""
+    return getattr(worker, "batched_stream", None)
+
+
+def shorten_interval(stream: Any, seconds: float | None) -> None:
+    """Flush a BatchedSend at least every `seconds` (distributed: 5 ms scheduler->worker,
+    2 ms worker->scheduler); None leaves it."""
+    if stream is not None and seconds is not None:
+        stream.interval = min(stream.interval, seconds)
+
+
+def pin_task(ts: Any, workers: set[str]) -> None:
+    """Restrict a scheduler TaskState to `workers`, strictly."""
+    ts.worker_restrictions = set(workers)
+    ts.loose_restrictions = False
+
+
+def unpin_task(ts: Any) -> None:
+    """Drop a restriction set by `pin_task`."""
+    if ts.worker_restrictions:
+        ts.worker_restrictions = None
+
+
+def task_pinned(ts: Any) -> bool:
+    return bool(ts.worker_restrictions)
+
+
+def amm_policies(scheduler: Any) -> Any:
+    """The Active Memory Manager's policy set (a set: `.discard` works), or None."""
+    amm = getattr(scheduler, "extensions", {}).get("amm")
+    return None if amm is None else amm.policies
+
+
+def scheduler_delay(worker: Any) -> float:
+    """The worker's estimate of (scheduler clock - its clock), in seconds."""
+    return float(getattr(worker, "scheduler_delay", 0.0) or 0.0)
+
+
+def raw_comm(comm: Any) -> Any:
+    """Make a handler's comm give frames as read (dagdiff deserializes value by value)."""
+    comm.deserialize = False
+    return comm
+
+
+def task_stream_record(scheduler: Any, key: str, start: float, stop: float, worker: str,
+                       **extra: Any) -> bool:
+    """Add a finished-task record to the scheduler's task stream (what the dashboard's
+    Task Stream draws), if one is kept; False when none is."""
+    stream = scheduler.plugins.get(TASK_STREAM)
+    if stream is None:
+        return False
+    stream.transition(key, "processing", "memory",
+                      startstops=[{"action": "compute", "start": start, "stop": stop}],
+                      worker=worker, status="OK", nbytes=0, type=None, typename=None,
+                      **extra)
+    return True
+
+
+def cluster_status_hook(cluster: Any, base: type, op: str, msg: Any, *,
+                        keep_nanny: bool) -> None:
+    """A SpecCluster's `_update_worker_status`: with `keep_nanny`, a removed worker goes
+    through the plain `Cluster`'s (SpecCluster's closes the nanny of a worker that stays
+    away longer than ``distributed.deploy.lost-worker-timeout``); else `base`'s own."""
+    if op == "remove" and keep_nanny:
+        Cluster._update_worker_status(cluster, op, msg)
+    else:
+        base._update_worker_status(cluster, op, msg)
+
+
+def correct_state(cluster: Any) -> None:
+    """Wait until a SpecCluster has started the workers of its spec."""
+    cluster.sync(cluster._correct_state)

@@ -1,0 +1,212 @@
+"""`Trainer.fit`: a run of steps with two in flight, recovery from lost workers, Ctrl-C."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
+
+from ..cluster.info import (
+    forget_workers,
+    lost_workers,
+    may_be_a_lost_worker,
+)
+from ..errors import ArgumentError, LostStateError, TrainerError, WorkerLostError
+from .recovery import Recovery
+from .state import TrainState
+
+if TYPE_CHECKING:
+    from .trainer import Trainer
+
+
+__all__ = ["FitRun", "InFlight", "NoBar"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """A submitted step in `fit`: its loss, the states before and after it, its batch, and
+    the recovery it is the retry of (`seconds` holds the failure's time until it ends)."""
+
+    loss: Any
+    before: TrainState
+    after: TrainState
+    batch: tuple[Any, ...]
+    recovery: Recovery | None = None
+
+
+class NoBar:
+    """What `fit` updates when no progress bar is shown."""
+
+    def set_postfix(self, **kwargs: Any) -> None:
+        pass
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def result_of(x: Any) -> Any:
+    return x.result() if hasattr(x, "result") else x
+
+
+class FitRun:
+    """One `Trainer.fit`: its steps in flight (two at a time), the losses of those that
+    ended, where recovery goes back to, and what it does when a worker is lost (run the
+    failed step again at once on the live workers, from the newest state it can restore)
+    or on Ctrl-C (keep the finished steps)."""
+
+    def __init__(self, trainer: "Trainer", state: TrainState, bar: Any) -> None:
+        self.trainer = trainer
+        self.bar = bar
+        self.pending: list[InFlight] = []
+        self.losses: list[float] = []
+        #: the last state whose step ended
+        self.finished = state
+        #: where to go back to: `base`, a state with copies, and per finished step since,
+        #: its batch and (only when it has copies) its state; other states are not kept
+        self.base = state
+        self.history: list[tuple[tuple[Any, ...], TrainState | None]] = []
+        self.retries = 0
+
+    def run(self, batches: Iterable[Sequence[Any]], steps: int | None
+            ) -> tuple[TrainState, list[float]]:
+        """Submit the batches' steps, two in flight, and wait for them; (state, losses)."""
+        tr, pending = self.trainer, self.pending
+        try:
+            for i, batch in enumerate(batches):
+                if steps is not None and i >= steps:
+                    break
+                if not isinstance(batch, (tuple, list)):
+                    raise ArgumentError(
+                        f"Trainer.fit takes an iterable of batches, each a tuple of the loss "
+                        f"function's batch arguments (e.g. [(x0, t0), (x1, t1), ...]); batch "
+                        f"{i} is a {type(batch).__name__}")
+                if i == 0:
+                    self.finished = self.base = tr._with_copy(self.finished, batch)
+                before = pending[-1].after if pending else self.finished
+                try:
+                    after, loss = tr.step(before, *batch)
+                except (LostStateError, TrainerError):
+                    if not pending or not tr.recovering:
+                        raise
+                    # the state this step starts from was lost (a worker went away) or
+                    # failed before its own step ended: that step's failure goes through
+                    # recovery first, and this step starts from the state it gives
+                    while pending:
+                        self.take_one()
+                    before = self.finished
+                    after, loss = tr.step(before, *batch)
+                pending.append(InFlight(loss, before, after, tuple(batch)))
+                while len(pending) > 2:  # keep two steps in flight
+                    self.take_one()
+            while pending:
+                self.take_one()
+        except KeyboardInterrupt:
+            self.interrupted()
+            # this frame, kept alive by the traceback, must not hold the in-flight futures
+            before = after = loss = None              # noqa: F841
+            raise
+        self.bar.close()
+        tr._last = self.finished
+        if steps is not None and len(self.losses) < steps:
+            warnings.warn(f"Trainer.fit: the batches ran out after {len(self.losses)} of "
+                          f"steps={steps} steps; pass more batches (e.g. "
+                          "itertools.cycle(batches)) to train longer", stacklevel=3)
+        return self.finished, self.losses
+
+    def interrupted(self) -> None:
+        """Ctrl-C: keep the steps that already ended, let go of the others (released
+        futures stop their programs on the workers; nothing here may hold them), and make
+        the last finished state the trainer's latest."""
+        pending = self.pending
+        while pending and getattr(pending[0].loss, "status", "finished") == "finished":
+            self.take_one()
+        pending.clear()
+        self.history.clear()
+        self.trainer._last = self.finished
+        self.bar.close()
+        warnings.warn(f"Trainer.fit interrupted after {len(self.losses)} finished step(s); "
+                      f"trainer.fit(...) goes on from step {self.finished.step} (the state "
+                      "of the last finished step)", stacklevel=4)
+
+    def take_one(self) -> None:
+        """Wait for the oldest step in flight: its loss, or recovery when it failed."""
+        tr, entry = self.trainer, self.pending[0]
+        try:
+            value = float(result_of(entry.loss))
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except Exception as e:                    # noqa: BLE001 - classified below
+            self.recover(e)
+            return
+        self.pending.pop(0)
+        self.losses.append(value)
+        self.finished = entry.after
+        if tr.recovering:
+            history = self.history
+            history.append((entry.batch,
+                            entry.after if tr._has_copy(entry.after) else None))
+            anchors = [j for j, (_, st) in enumerate(history) if st is not None]
+            if len(anchors) > 2:                  # keep the two newest copies
+                self.base = history[anchors[-2]][1]  # type: ignore[assignment]
+                del history[:anchors[-2] + 1]
+        self.retries = 0
+        if entry.recovery is not None:
+            tr.recoveries.append(dataclasses.replace(
+                entry.recovery, seconds=time.monotonic() - entry.recovery.seconds))
+        self.bar.set_postfix(loss=f"{self.losses[-1]:.4f}")
+        self.bar.update(1)
+
+    def recover(self, error: Exception) -> None:
+        """The oldest step failed: when a worker was lost, run it (and those after it)
+        again on the live workers from the newest state that can be restored; else raise."""
+        tr, pending = self.trainer, self.pending
+        entry = pending[0]
+        if not tr.recovering or tr.client is None or self.retries >= tr.max_retries:
+            raise error
+        t0, wall = time.monotonic(), time.time()
+        gone = (error.workers if isinstance(error, WorkerLostError)  # the loss found them
+                else lost_workers(tr.client, set((entry.after.where or {}).values()),
+                                  wait=10.0 if may_be_a_lost_worker(error) else 0.0))
+        if not gone:
+            raise error                           # the model failed, not a worker
+        self.retries += 1
+        forget_workers(tr.client)
+        log.warning("dagdiff: step %d failed after losing worker(s) %s (%s: %s); "
+                    "running it again", entry.before.step, ", ".join(gone),
+                    type(error).__name__, str(error)[:200])
+        if entry.recovery is not None:            # its retried step was lost too
+            tr.recoveries.append(dataclasses.replace(
+                entry.recovery, seconds=time.monotonic() - entry.recovery.seconds,
+                error=entry.recovery.error + " (the retried step was lost again: see "
+                "the next recovery)"))
+        todo = [e.batch for e in pending]
+        pending.clear()                           # let go of the failed steps' futures
+        model = tr._model(entry.batch)
+        targets = tr._targets(model)              # the live workers: no waiting
+        start, replay, restored = tr._recoverable(entry, self.base, self.history)
+        if start.is_placed:
+            # a second copy of what was restored, before anything depends on it; the
+            # batches since `start` are what `base` needs from now on
+            protected = tr._protect(start, model)
+            if protected is not start:
+                start = self.base = protected
+                self.history[:] = [(b, None) for b in replay]
+        moved = tuple((s, own, to) for s, (own, to) in sorted(targets.moved.items()))
+        now = start
+        for b in replay:                          # finished steps, run again
+            now, _ = tr.step(now, *b)
+        for i, b in enumerate(todo):
+            after, loss = tr.step(now, *b)
+            rec = None
+            if i == 0:
+                rec = Recovery(entry.before.step, gone, restored, len(replay), t0,
+                               f"{type(error).__name__}: {str(error)[:500]}", wall, moved)
+            pending.append(InFlight(loss, now, after, b, rec))
+            now = after

@@ -1,0 +1,283 @@
+"""A Trainer's states after a lost worker: lineage, copies on a second worker, restoring
+lost values from a replica or copy, and `Trainer.recover`."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Collection, Mapping, Sequence
+
+from dask.base import tokenize
+
+from ..cluster.info import (
+    check_open,
+    forget_workers,
+    lost_workers,
+)
+from ..cluster.targets import Targets
+from ..core.keys import make_key
+from ..errors import ArgumentError, LostStateError, TrainerError
+from ..runtime.direct import RESOURCE_SHARE
+from .recovery import Lineage, Recovery, copy_task, lost_values, restore
+from .state import TrainState, state_identity
+from .step_graph import StepModel, stage_address
+
+if TYPE_CHECKING:
+    from .fit import InFlight
+
+
+__all__ = ["Restoring"]
+
+log = logging.getLogger(__name__)
+
+
+class Restoring:
+    """What a Trainer does about lost workers (mixed into `Trainer`): the lineage of
+    each state, copies of states on a second worker, restoring lost values from a
+    replica or copy, and `recover`."""
+
+    # --- after a lost worker ------------------------------------------------------------
+    def recover(self, state: TrainState) -> TrainState:
+        """A usable state in place of `state`: `state` itself when every value is still
+        held; else, when `state`'s step failed or a value was lost with its worker, the
+        same state made again - from the newest state that survives one lost worker
+        (another replica's values, their copy, or the client's initial values) by running
+        the steps since again, waiting for a lost slot's replacement as `fit` does. Its
+        step's new loss is ``state.loss``. Raises `LostStateError` when nothing holds what
+        was lost (resume from a checkpoint). The usual loop::
+
+            state, loss = trainer.step(state, x, t)
+            try:
+                print(float(loss.result()))
+            except dd.WorkerLostError:
+                state = trainer.recover(state)      # the step, run again
+                print(float(state.loss.result()))
+        """
+        if not isinstance(state, TrainState):
+            raise ArgumentError(f"Trainer.recover takes a TrainState, got {type(state).__name__}")
+        if self.client is None or not state.is_placed:
+            return state
+        check_open(self.client)
+        t0, wall = time.monotonic(), time.time()
+        forget_workers(self.client)
+        if self._usable(state):
+            return state
+        lineage = state.lineage
+        if lineage is None or not lineage.batches:
+            model = next(iter(self._cache.values()), None)
+            if model is None:
+                raise TrainerError("Trainer.recover: this trainer never ran a step")
+            restored, done = self._restored(state, model, ask=True)
+            self.recoveries.append(Recovery(state.step, self._gone(state), done, 0,
+                                            time.monotonic() - t0, "recover", wall))
+            self._last = restored
+            return restored
+        model = self._model(lineage.batches[0])
+        start = lineage.start
+        targets = self._targets(model)            # the live workers: no waiting
+        done: tuple[tuple[int, int, str], ...] = ()
+        if start.is_placed:
+            start, done = self._restored(start, model, ask=True)
+            start = self._protect(start, model)   # a second copy before it is used
+        moved = tuple((s, own, to) for s, (own, to) in sorted(targets.moved.items()))
+        now = start
+        for b in lineage.batches:
+            now, _ = self.step(now, *b)
+        log.warning("dagdiff: Trainer.recover made step %d's state again from step %d "
+                    "(%d step(s) run again)", state.step, start.step, len(lineage.batches))
+        self.recoveries.append(Recovery(state.step - 1, self._gone(state), done,
+                                        len(lineage.batches) - 1, time.monotonic() - t0,
+                                        "recover", wall, moved))
+        return now
+
+    def _lineage(self, before: TrainState, batch: Sequence[Any]) -> Lineage | None:
+        """How the state a step from `before` on `batch` makes can be made again: from
+        `before` when it survives any one lost worker (replicas, copies, or the client's
+        initial values), else from `before`'s own start, through the batches since."""
+        if not self.recovering:
+            return None
+        if not before.is_placed or before.backup or self._has_copy(before):
+            return Lineage(dataclasses.replace(before, lineage=None, loss=None),
+                           (tuple(batch),))
+        if before.lineage is not None:
+            return Lineage(before.lineage.start, before.lineage.batches + (tuple(batch),))
+        return None
+
+    def _usable(self, state: TrainState) -> bool:
+        """Whether every value of `state` is held by a worker (or still being computed by
+        a step that did not fail)."""
+        assert state.placed is not None
+        futures = [v for v in state.placed.values() if hasattr(v, "status")]
+        if any(f.status in ("error", "cancelled", "lost") for f in futures):
+            return False
+        if getattr(state.loss, "worker_lost", False):
+            return False
+        if any(f.status == "pending" for f in futures):
+            return True
+        return not lost_values(self.client, state.placed)
+
+    def _gone(self, state: TrainState) -> tuple[str, ...]:
+        try:
+            return lost_workers(self.client, set((state.where or {}).values()), wait=0.0)
+        except Exception:                         # noqa: BLE001 - only for the record
+            return ()
+
+    def _to_copy(self, model: "StepModel", targets: Targets, step: int
+                 ) -> list[tuple[int, int]]:
+        """The (replica, group) values of the state a step makes that get a copy: with one
+        replica every `copy_every`-th step's; with more, those of a group whose replicas
+        all run on one worker (e.g. after a loss put them together), every step."""
+        groups = range(len(model.groups))
+        if self.replicas == 1:
+            return [(0, g) for g in groups] if step % self.copy_every == 0 else []
+        out = []
+        for g in groups:
+            stages = [model.group_stage[g] + r * model.p for r in range(self.replicas)]
+            if len({targets.target(st) for st in stages}) < 2:
+                out.extend((r, g) for r in range(self.replicas))
+        return out
+
+    def _copies(self, placed: Mapping[tuple[int, int], Any], model: "StepModel",
+                targets: Targets, token: str,
+                held: Mapping[str, Collection[str]] | None = None
+                ) -> dict[tuple[int, int], Any]:
+        """A copy of each value of `placed` on another worker: the next one after its
+        stage's (slots in order), sent after the step's update, off its critical path;
+        none on a one-worker cluster. `held` (key -> addresses holding it, a restored
+        value that may not be on its stage's worker): the stage's worker when it does not
+        hold the value, else the next worker that does not."""
+        slots = targets.slots
+        ring = sorted(targets.addresses) if slots else sorted(set(targets.of.values()))
+        address = dict(targets.addresses) if slots else {a: a for a in ring}
+        out = {}
+        for (r, g), fut in placed.items():
+            stage = model.group_stage[g] + r * model.p
+            home = targets.target(stage)
+            if home not in ring or len(ring) < 2:
+                continue
+            i = ring.index(home)
+            order = ring[i + 1:] + ring[:i]
+            if held is not None:
+                have = set(held.get(fut.key, ()))
+                order = [w for w in [home, *order] if address[w] not in have] or order
+            other = order[0]
+            where = ({"resources": {other: RESOURCE_SHARE}} if slots
+                     else {"workers": [other]})
+            out[(r, g)] = self.client.submit(
+                copy_task, fut, key=make_key("backup", f"g{g}", g, token, stage, r), **where)
+        return out
+
+    def _protect(self, state: TrainState, model: "StepModel") -> TrainState:
+        """`state` (just recovered after a loss) with every value on two live workers:
+        a value only one worker holds gets a fresh copy on another (its stage's worker,
+        else the next), so that another loss right after this one loses nothing."""
+        assert state.placed is not None
+        targets = self._targets(model)
+        futures = [v for v in state.placed.values() if hasattr(v, "key")]
+        held = self.client.who_has(futures) if futures else {}
+        single = {rg: v for rg, v in state.placed.items()
+                  if hasattr(v, "key") and len(held.get(v.key, ())) < 2}
+        # a new key whenever the holders differ (a copy made before this loss is not one)
+        token = tokenize("protect", state_identity(state),
+                         sorted((str(k), sorted(v)) for k, v in held.items()),
+                         ensure_deterministic=False)[:16]
+        copies = self._copies(single, model, targets, token, held)
+        if set(single) - set(copies):
+            return state                      # one live worker: nowhere to copy to
+        # a value two workers hold is its own copy (dagdiff keeps the replicas: no AMM
+        # ReduceReplicas); restore finds it while either of them lives
+        backup = {rg: copies.get(rg, v) for rg, v in state.placed.items()}
+        return dataclasses.replace(state, backup=backup)
+
+    def _restored(self, state: TrainState, model: "StepModel", ask: bool = False
+                  ) -> tuple[TrainState, tuple[tuple[int, int, str], ...]]:
+        """`state` with any value lost with its worker replaced from a replica or copy
+        (LostStateError when none holds it); `state` itself when nothing is lost. `ask`:
+        ask the scheduler which values it still has (after a loss, before the client's
+        futures hear of it), instead of reading the futures' status."""
+        assert state.placed is not None
+        bad = [f for f in state.placed.values() if getattr(f, "status", "finished") == "error"]
+        if not bad and getattr(state.loss, "worker_lost", False):
+            bad = [state.loss]                # its step failed: its values are not its own
+        if bad and not ask:
+            why = (f"{type(bad[0].exception()).__name__}: {str(bad[0].exception())[:300]}"
+                   if bad[0].status == "error" else "a worker it ran on was lost")
+            raise TrainerError(
+                f"this state (step {state.step}) is the result of a step that failed ({why}); "
+                "after a lost worker, `state = trainer.recover(state)` makes it again, else "
+                "step from the state before it (trainer.fit does both for you)")
+        if not ask and all(getattr(f, "status", "finished") in ("finished", "pending")
+                           for f in state.placed.values()):
+            return state, ()
+        if not self.recovering:
+            raise LostStateError(
+                f"part of this state (step {state.step}) was lost with its worker, and the "
+                "Trainer has recover=False; resume from a checkpoint (dd.load)")
+        kept = state.backup or {}
+        copies = {rg: v for rg, v in kept.items() if hasattr(v, "key")}
+        targets = self._targets(model)
+
+        def rescatter(r: int, g: int) -> Any:     # the initial state: the client has it
+            return self._scatter(kept[(r, g)],
+                                 stage_address(targets, model.group_stage[g] + r * model.p))
+
+        concrete = bool(kept) and not copies
+        placed, done = restore(self.client, state.placed, copies, model.group_stage, model.p,
+                               state.where, rescatter if concrete else None)
+        if done:
+            log.warning("dagdiff: Trainer restored %s of step %d after a lost worker",
+                        ", ".join(f"replica {r} group {g} from {src}" for r, g, src in done),
+                        state.step)
+        return dataclasses.replace(state, placed=placed), done
+
+    def _with_copy(self, state: TrainState, batch: Sequence[Any]) -> TrainState:
+        """`state` with a copy of its values on other workers, when it is placed, has
+        none, and the trainer recovers: where `fit` can go back to."""
+        if (not self.recovering or self.client is None or not state.is_placed
+                or self._has_copy(state) or state.backup):
+            return state
+        model = self._model(batch)
+        token = tokenize(state_identity(state), ensure_deterministic=False)[:16]
+        assert state.placed is not None
+        return dataclasses.replace(
+            state, backup=self._copies(state.placed, model, self._targets(model), token))
+
+    def _has_copy(self, state: TrainState) -> bool:
+        """Whether every value of `state` has a second copy on another worker: another
+        replica's on a different worker, or a copy step's."""
+        backup, where = state.backup or {}, state.where or {}
+        for r, g in state.placed or {}:
+            if hasattr(backup.get((r, g)), "key"):
+                continue
+            if not any(where.get((r2, g2)) not in (None, where.get((r, g)))
+                       for r2, g2 in where if g2 == g and r2 != r):
+                return False
+        return bool(state.placed)
+
+    def _recoverable(self, entry: "InFlight", base: TrainState,
+                     history: list[tuple[tuple[Any, ...], TrainState | None]]
+                     ) -> tuple[TrainState, list[tuple[Any, ...]],
+                                tuple[tuple[int, int, str], ...]]:
+        """The newest state that can be restored: the failed step's input, else the
+        newest finished state with copies (every `copy_every` steps) or `base`, and the
+        batches of the finished steps after it, to run again."""
+        candidates: list[tuple[TrainState, list[tuple[Any, ...]]]] = [(entry.before, [])]
+        for j in range(len(history) - 1, -1, -1):
+            kept = history[j][1]
+            if kept is not None:
+                candidates.append((kept, [b for b, _ in history[j + 1:]]))
+        candidates.append((base, [b for b, _ in history]))
+        first: Exception | None = None
+        for start, replay in candidates:
+            if not start.is_placed:               # the first step: it is placed again
+                return start, replay, ()
+            model = self._model(entry.batch)
+            try:
+                restored, done = self._restored(start, model, ask=True)
+            except LostStateError as e:
+                log.debug("dagdiff: cannot restart from step %d: %s", start.step, e)
+                first = first or e
+                continue
+            return restored, replay, done
+        assert first is not None
+        raise first

@@ -1,0 +1,97 @@
+"""The guard of `dagdiff.runtime.internals`: every private part of distributed it relies on
+still exists in the installed release, checked by name (a failure names the one that
+changed, and `internals.py` is the one place to mend)."""
+from __future__ import annotations
+
+import ast
+import importlib
+import os
+from typing import Any
+
+import pytest
+
+from dagdiff.runtime import internals
+
+PACKAGE = os.path.join(os.path.dirname(__file__), "..", "dagdiff")
+
+
+def _resolve(where: str) -> Any:
+    module, _, attr = where.rpartition(".")
+    try:
+        return importlib.import_module(where)
+    except ImportError:
+        return getattr(importlib.import_module(module), attr)
+
+
+@pytest.mark.parametrize("where,name", [r for r in internals.REQUIRED
+                                        if " instance" not in r[0]])
+def test_a_class_or_module_attribute_is_there(where: str, name: str) -> None:
+    obj = _resolve(where)
+    assert hasattr(obj, name), (
+        f"distributed changed: {where}.{name} is gone (used by dagdiff.runtime.internals); "
+        "mend internals.py")
+
+
+def test_the_instance_attributes_are_there_on_a_running_cluster() -> None:
+    from distributed import Client, LocalCluster, get_worker
+
+    with LocalCluster(n_workers=1, processes=False, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        scheduler = cluster.scheduler
+        assert isinstance(internals.stream_comms(scheduler), dict) and \
+            internals.stream_comms(scheduler), "Scheduler.stream_comms"
+        stream = next(iter(internals.stream_comms(scheduler).values()))
+        assert isinstance(stream.interval, float), "BatchedSend.interval"
+        assert internals.amm_policies(scheduler) is not None, "extensions['amm'].policies"
+        assert hasattr(internals.amm_policies(scheduler), "discard"), "policies.discard"
+        client.get_task_stream()                    # registers the task-stream plugin
+        plugin = scheduler.plugins.get(internals.TASK_STREAM)
+        assert plugin is not None and callable(plugin.transition), \
+            "plugins['task-stream'].transition"
+        assert internals.task_stream_record(scheduler, "k-1", 1.0, 2.0, "w")
+        assert plugin.buffer[-1]["key"] == "k-1", "the task stream's record format"
+
+        def worker_side() -> tuple[bool, bool]:
+            w = get_worker()
+            return (isinstance(w.batched_stream.interval, float),
+                    isinstance(internals.scheduler_delay(w), float))
+
+        assert client.submit(worker_side).result() == (True, True), \
+            "Worker.batched_stream.interval / Worker.scheduler_delay"
+
+
+def test_a_comm_takes_the_deserialize_switch() -> None:
+    import inspect
+
+    from distributed.comm.core import Comm
+
+    assert "self.deserialize" in inspect.getsource(Comm.__init__), "Comm.deserialize"
+
+
+PRIVATE = ("_update_worker_status", "_correct_state", "worker_restrictions",
+           "loose_restrictions", "stream_comms", "batched_stream", "scheduler_delay",
+           "merge_and_deserialize", "serialize_numpy_ndarray", "dont_reply")
+
+
+def test_no_other_module_reaches_into_distributed_internals() -> None:
+    """Only internals.py names distributed's private parts (and local.py overrides the
+    status hook, whose body goes through internals)."""
+    found = []
+    for root, _, files in os.walk(PACKAGE):
+        for f in files:
+            if not f.endswith(".py") or f == "internals.py":
+                continue
+            path = os.path.join(root, f)
+            tree = ast.parse(open(path).read())
+            where = os.path.relpath(path, PACKAGE)
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and "internals" not in (node.module or ""):
+                    found += [f"{where}:{node.lineno}: import {a.name}" for a in node.names
+                              if a.name in PRIVATE]
+                elif isinstance(node, ast.Attribute) and node.attr in PRIVATE:
+                    found.append(f"{where}:{node.lineno}: .{node.attr}")
+                elif (isinstance(node, ast.Constant) and node.value in PRIVATE
+                      and isinstance(node.value, str)):
+                    found.append(f"{where}:{node.lineno}: {node.value!r}")
+    assert not found, "distributed internals outside dagdiff/runtime/internals.py: " + \
+        "; ".join(found)
