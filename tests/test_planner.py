@@ -291,9 +291,9 @@ def real_profile(client2: Any) -> dd.Profile:
     params = M.init_dense(KEY, [32] * 5)
     x = jax.random.normal(KEY, (32, 32))
     t = jax.random.normal(jax.random.fold_in(KEY, 1), (32, 32))
-    # 3 recorded steps per schedule: with 8-row microbatches of a 32-wide model, whether a
+    # 5 recorded steps per schedule: with 8-row microbatches of a 32-wide model, whether a
     # consumer waits on its hop (a hop sample) is up to timing in any one step
-    return dd.profile(staged_loss, microbatches=4, client=client2, steps=3)(params, x, t)
+    return dd.profile(staged_loss, microbatches=4, client=client2, steps=5)(params, x, t)
 
 
 def test_profile_of_a_real_step(real_profile: dd.Profile) -> None:

@@ -2,6 +2,7 @@
 (`dagdiff.runtime.split`), and the numbers equal JAX's whatever order the tasks run in."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any
 
@@ -110,7 +111,7 @@ class Calls:
                 setattr(c, name, self._counted(name, fn))
 
         monkeypatch.setattr(compiled_mod._Compiled, "__init__", init)
-        monkeypatch.setattr(compiled_mod, "_CACHE", {})
+        monkeypatch.setattr(compiled_mod, "_CACHE", collections.OrderedDict())
 
     def _counted(self, name: str, fn: Any) -> Any:
         attr = {"remat_bwd": "remat"}.get(name, name)
@@ -206,7 +207,7 @@ def test_a_split_that_fails_to_compile_falls_back_to_the_plain_backward(
         return None if parts is None else dataclasses.replace(parts, first=broken)
 
     monkeypatch.setattr(compiled_mod, "partition", partition_broken)
-    monkeypatch.setattr(compiled_mod, "_CACHE", {})
+    monkeypatch.setattr(compiled_mod, "_CACHE", collections.OrderedDict())
     fn = make_loss(3)
     params, x, t = data(3, batch=8)
     want_l, want_g = jax.value_and_grad(fn)(params, x, t)
