@@ -161,3 +161,19 @@ def close(got: Any, want: Any) -> None:
     """Every leaf of `got` equals `want`'s (rtol 1e-5, atol 1e-6)."""
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def assert_matches_jax(fn: Any, args: tuple[Any, ...], got_l: Any, got_g: Any) -> None:
+    """Loss and grads equal `jax.value_and_grad(fn)(*args)`."""
+    want_l, want_g = jax.value_and_grad(fn)(*args)
+    np.testing.assert_allclose(got_l, want_l, rtol=1e-5)
+    close(got_g, want_g)
+
+
+def probe_every(seconds: float, after: float | None = None) -> tuple[float, float]:
+    """Set direct dispatch's probe timing in this process; returns the old values."""
+    from dagdiff.runtime.direct import runtime as rt_mod
+
+    old = (rt_mod.PROBE_AFTER, rt_mod.PROBE_EVERY)
+    rt_mod.PROBE_AFTER, rt_mod.PROBE_EVERY = seconds, (seconds if after is None else after)
+    return old

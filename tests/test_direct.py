@@ -1,151 +1,20 @@
 """Direct dispatch: one program per worker in the order of a simulated run, values worker
-to worker over distributed's comms, and failures that reach the caller instead of hanging."""
+to worker over distributed's comms, and failures that reach the caller instead of hanging
+(`test_direct_plan.py`: the pure part; `test_direct_pieces.py`: piece by piece)."""
 from __future__ import annotations
 
-import contextlib
-import pickle
 import time
 from typing import Any
 
-import dask.sizeof
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import dagdiff as dd
-from dagdiff.runtime.direct import Action as DirectAction, Program, linearize, run_program
-from dagdiff.runtime.direct import runtime as rt_mod
-from dagdiff.runtime.direct.messages import Value, pack
-from dagdiff.schedules import Action
-from tests.models import close, data, make_loss
-
-
-# --- the worker order (pure) ------------------------------------------------------------
-
-def test_linearize_keeps_schedule_order_and_places_small_tasks_when_ready() -> None:
-    # two workers, two microbatches: F/B actions with schedule priorities, plus a split
-    # task (no inputs), a loss select and accumulators without priorities
-    deps = {
-        "split0": [], "split1": [],
-        "F00": ["split0"], "F01": ["split1"], "F10": ["F00"], "F11": ["F01"],
-        "loss0": ["F10"], "loss1": ["F11"],
-        "B10": ["F10"], "B11": ["F11"], "B00": ["B10", "F00"], "B01": ["B11", "F01"],
-        "acc0": ["B00"], "acc1": ["B01", "acc0"],
-    }
-    worker = {k: ("w1" if k[1:2] == "1" and k[0] in "FB" or k.startswith("loss") else "w0")
-              for k in deps}
-    # 1F1B on 2 workers, 2 microbatches: w0 F0 F1 B0 B1, w1 F0 B0 F1 B1
-    prio = {"F00": 4, "F01": 3, "B00": 2, "B01": 1, "F10": 4, "B10": 3, "F11": 2, "B11": 1}
-    order = linearize(deps, worker, prio)
-    assert [k for k in order["w0"] if k in prio] == ["F00", "F01", "B00", "B01"]
-    assert [k for k in order["w1"] if k in prio] == ["F10", "B10", "F11", "B11"]
-    # no inputs: right before the first task that needs them
-    assert order["w0"][:4] == ["split0", "F00", "split1", "F01"]
-    assert order["w1"] == ["F10", "loss0", "B10", "F11", "loss1", "B11"]
-    w0 = order["w0"]
-    assert w0.index("acc0") == w0.index("B00") + 1             # right after its input
-    assert w0.index("acc1") == w0.index("B01") + 1
-
-
-def test_linearize_rejects_an_order_that_would_deadlock() -> None:
-    deps = {"F0": [], "F1": ["F0"], "B1": ["F1"], "B0": ["B1", "F0"]}
-    worker = {"F0": "w0", "B0": "w0", "F1": "w1", "B1": "w1"}
-    # w0 wants its backward before its forward: B0 needs B1 needs F1 needs F0
-    with pytest.raises(dd.DirectDispatchError, match="cannot run") as e:
-        linearize(deps, worker, {"B0": 2, "F0": 1, "F1": 2, "B1": 1})
-    assert "w0 at B0" in str(e.value)
-
-
-def test_plan_programs_is_pure_and_sends_only_what_is_read() -> None:
-    """The planning module takes plain dicts (no Dask): two workers, one microbatch."""
-    from dagdiff.runtime.direct.plan import Consumers, plan_programs
-
-    deps = {"x": [], "F0": ["x"], "F1": ["F0"], "B1": ["F1"], "B0": ["B1", "F0"],
-            "acc0": ["B0"], "loss": ["F1"]}
-    where = {"F0": "w0", "B0": "w0", "acc0": "w0", "F1": "w1", "B1": "w1", "x": None,
-             "loss": "w1"}
-    reads = {"B0": {"B1": frozenset({0}), "F0": None}, "F1": {"F0": None},
-             "B1": {"F1": None}, "acc0": {"B0": None}}
-    plan = plan_programs(deps, set(deps) - {"x"}, where, {"F0": 2, "B0": 1, "F1": 2, "B1": 1},
-                         keep={"loss"}, outputs={"acc0"}, reads=reads)
-    w0, w1 = plan.programs
-    assert [a.key for a in w0.actions] == ["F0", "B0", "acc0"]
-    assert [a.key for a in w1.actions] == ["F1", "B1"]
-    assert w0.statics == ("x",)
-    b1 = w1.actions[1]
-    assert b1.remote == (Consumers("w0", 1, frozenset({0})),)   # one leaf travels
-    assert w1.actions[0].export                                  # read by the loss task
-    assert w0.actions[2].export and not w0.actions[0].export
-    assert plan.direct == frozenset({"F0", "B0", "acc0", "F1", "B1"})
-
-
-def test_a_program_result_is_a_stub_on_the_wire_and_whole_on_disk() -> None:
-    """Another worker's output depends on a program's result for order alone: over a
-    comm (a recipient in the context) no values travel; spilled, it keeps them."""
-    import asyncio
-
-    from distributed.comm.utils import from_frames, to_frames
-    from distributed.protocol import deserialize_bytes, serialize_bytelist, to_serialize
-
-    from dagdiff.runtime.direct.results import ProgramResult
-    from dagdiff.runtime.serialize import register
-
-    register()
-    value = np.arange(1 << 16, dtype=np.float32)
-    result = ProgramResult("prog_slot0-n0-abc", {"acc-x": value, "loss-y": 1.5})
-    assert dask.sizeof.sizeof(result) >= value.nbytes
-
-    async def wire(context: Any) -> Any:
-        frames = await to_frames({"data": to_serialize(result)}, context=context)
-        return sum(len(memoryview(f)) for f in frames), (await from_frames(frames))["data"]
-
-    nbytes, stub = asyncio.run(wire({"sender": {}, "recipient": {"address": "tcp://w1"}}))
-    assert stub.stub and stub.program == result.program and nbytes < 2000
-    with pytest.raises(dd.DirectDispatchError, match="stays on the worker of prog_slot0"):
-        stub.value("acc-x")
-    for back in (deserialize_bytes(b"".join(map(bytes, serialize_bytelist(result)))),
-                 asyncio.run(wire(None))[1], pickle.loads(pickle.dumps(result))):
-        assert not back.stub and back.value("loss-y") == 1.5
-        np.testing.assert_array_equal(back.value("acc-x"), value)
-    with pytest.raises(dd.DirectDispatchError, match="exported no value nope"):
-        result.value("nope")
-
-
-def test_the_planning_modules_import_nothing_from_dask_or_jax() -> None:
-    import ast
-    import pathlib
-
-    import dagdiff
-
-    root = pathlib.Path(dagdiff.__file__).parent
-    for rel in ("runtime/direct/plan.py", "core/dag.py", "errors.py"):
-        tree = ast.parse((root / rel).read_text())
-        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-        names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
-                  and n.level == 0}
-        assert not {m.split(".")[0] for m in names} & {"dask", "distributed", "jax"}, rel
-
-
-class BackwardFirst(dd.Schedule):
-    """A broken user schedule: the last stage lists its backwards before its forwards."""
-
-    name = "backward-first"
-
-    def orders(self, num_stages: int, microbatches: int) -> list[list[Action]]:
-        f = [Action("F", i) for i in range(microbatches)]
-        b = [Action("B", i) for i in range(microbatches)]
-        return [f + b for _ in range(num_stages - 1)] + [b + f]
-
-
-@pytest.mark.distributed
-def test_a_schedule_that_cannot_run_fails_when_building(client2: Any) -> None:
-    loss_fn = make_loss(2)
-    params, x, t = data(2)
-    with client2.as_current():
-        with pytest.raises(dd.ScheduleError, match="deadlock") as e:
-            dd.value_and_grad(loss_fn, microbatches=2, schedule=BackwardFirst())(params, x, t)
-    assert "worker 1 at B0" in str(e.value)
+from dagdiff.runtime.direct import run_program
+from dagdiff.runtime.direct.messages import pack
+from tests.models import assert_matches_jax, close, data, make_loss, probe_every
 
 
 # --- on a cluster ---------------------------------------------------------------------
@@ -168,12 +37,6 @@ def test_direct_dispatch_equals_full_batch_jax(client4: Any, schedule: str, n_st
     assert dd.remat_count(client4) == 0
 
 
-def _probe_every(seconds: float, after: float | None = None) -> tuple[float, float]:
-    old = (rt_mod.PROBE_AFTER, rt_mod.PROBE_EVERY)
-    rt_mod.PROBE_AFTER, rt_mod.PROBE_EVERY = seconds, (seconds if after is None else after)
-    return old
-
-
 def _serving(dask_worker: Any) -> bool:
     """The worker still answers direct-dispatch streams and probes."""
     return {"dagdiff_stream", "dagdiff_status"} <= set(dask_worker.handlers)
@@ -188,7 +51,7 @@ def test_steps_stay_right_while_every_wait_probes_its_producer(client4: Any) -> 
     loss_fn = make_loss(4)
     params, x, t = data(4, batch=32)
     want_l, want_g = jax.value_and_grad(loss_fn)(params, x, t)
-    old = client4.run(_probe_every, 0.001)
+    old = client4.run(probe_every, 0.001)
     try:
         with client4.as_current():
             for schedule in ["1f1b", "zb-h1", "gpipe"]:
@@ -200,7 +63,7 @@ def test_steps_stay_right_while_every_wait_probes_its_producer(client4: Any) -> 
                     close(got_g, want_g)
     finally:
         for w, (after, every) in old.items():
-            client4.run(_probe_every, after, workers=[w])
+            client4.run(probe_every, after, workers=[w])
     assert all(client4.run(_serving).values())
 
 
@@ -342,341 +205,6 @@ def test_a_cancelled_step_frees_its_waiting_tasks(client2: Any) -> None:
     assert _waiting(client2, within=20) == 0
 
 
-# --- the pieces, on in-process and TCP clusters ------------------------------------------
-
-@pytest.fixture(scope="module")
-def inproc() -> Any:
-    """A client of a 2-worker in-process cluster (inproc:// comms)."""
-    from distributed import Client
-
-    cluster = dd.local_cluster(n_workers=2, dashboard_address=None, quiet=True,
-                               processes=False)
-    client = Client(cluster, set_as_default=False)
-    from dagdiff.runtime.plugins import ensure_colocation
-
-    ensure_colocation(client)
-    yield client
-    client.close()
-    cluster.close()
-
-
-def _addresses(client: Any) -> list[str]:
-    slots = dd.cluster.info.slot_names(client)
-    return sorted(slots, key=slots.__getitem__)
-
-
-def _submit(client: Any, prog: Program, address: str, nonce: str = "n1") -> Any:
-    return client.submit(run_program, prog, nonce, workers=[address], pure=False,
-                         allow_other_workers=False)
-
-
-def test_a_missing_input_times_out_with_the_facts(inproc: Any) -> None:
-    from dagdiff.runtime.taskspec import Task, TaskRef
-
-    a0, a1 = _addresses(inproc)
-    src = "fwd_dense-s0-m0-n0-abc"
-    key = "fwd_dense-s1-m0-n1-abc"
-    action = DirectAction(key, Task(key, _identity, TaskRef(src)), ((src, "slot0"),), 0, (),
-                          True)
-    prog = Program("prog_slot1-n1-abc", "s-test", "slot1", a1, (action,), (), timeout=0.3,
-                   members=(("slot0", a0),))
-    t0 = time.perf_counter()
-    with pytest.raises(dd.DirectDispatchError) as e:
-        _submit(inproc, prog, a1).result(timeout=30)
-    text = str(e.value)
-    assert time.perf_counter() - t0 < 5
-    assert f"{key} on slot1 waited 0.3 s for input {src} from slot0" in text
-    assert "dagdiff.direct.timeout" in text
-
-
-def test_a_program_built_for_another_worker_refuses_to_run(inproc: Any) -> None:
-    """Dask reruns a lost worker's program on its replacement (a new address): the
-    others sent their values to the old one, so it fails at once, saying so."""
-    a0, a1 = _addresses(inproc)
-    prog = Program("prog_slot1-n1-abc", "s-moved", "slot1", "inproc://gone/1/1", (), (),
-                   timeout=60)
-    with pytest.raises(dd.DirectDispatchError, match="was lost or restarted since"):
-        _submit(inproc, prog, a1).result(timeout=30)
-
-
-@pytest.mark.distributed
-def test_a_dead_producer_is_noticed_while_waiting(client2: Any) -> None:
-    from dagdiff.runtime.taskspec import Task, TaskRef
-
-    with socket_closed_port() as port:     # a port nobody listens on any more
-        pass
-    a0, _ = _addresses(client2)
-    old = client2.run(_probe_every, 0.2, workers=[a0])
-    try:
-        src = "vjp_dense-s1-m0-n1-abc"
-        key = "vjp_dense-s0-m0-n0-abc"
-        dead = f"tcp://127.0.0.1:{port}"
-        action = DirectAction(key, Task(key, _identity, TaskRef(src)), ((src, "slot1"),), 0,
-                              (), True)
-        prog = Program("prog_slot0-n0-abc", "s-probe", "slot0", a0, (action,), (),
-                       timeout=60, members=(("slot1", dead),))
-        t0 = time.perf_counter()
-        with pytest.raises(dd.DirectDispatchError, match="where nothing listens any more") as e:
-            _submit(client2, prog, a0).result(timeout=60)
-        assert time.perf_counter() - t0 < 20
-        assert f"waits for input {src} from slot1 at {dead}" in str(e.value)
-    finally:
-        client2.run(_probe_every, *old[a0], workers=[a0])
-
-
-def _fails(x: Any) -> Any:
-    raise ValueError("boom")
-
-
-@pytest.mark.distributed
-def test_a_failed_program_does_not_wait_to_tell_unreachable_consumers(client2: Any) -> None:
-    """A failed program queues its error notices and returns: 30 actions whose consumer
-    cannot be reached cost nothing."""
-    from dagdiff.runtime.direct.runtime import Remote
-    from dagdiff.runtime.taskspec import Task
-
-    with socket_closed_port() as port:
-        pass
-    a0, _ = _addresses(client2)
-    dead = f"tcp://127.0.0.1:{port}"
-    remote = (Remote("slot1", dead, 1),)
-    actions = tuple(DirectAction(f"fwd_dense-s0-m{i}-n0-abc",
-                                 Task(f"fwd_dense-s0-m{i}-n0-abc", _fails, i), (), 0,
-                                 remote, False) for i in range(30))
-    prog = Program("prog_slot0-n0-abc", "s-fail-fast", "slot0", a0, actions, (), timeout=60,
-                   members=(("slot1", dead),))
-    t0 = time.perf_counter()
-    with pytest.raises(ValueError, match="boom"):
-        _submit(client2, prog, a0).result(timeout=60)
-    assert time.perf_counter() - t0 < 5
-
-
-def test_a_run_starts_once_per_worker(inproc: Any) -> None:
-    """Dask running the same program of the same run twice on one worker (an in-process
-    worker restarted mid-step) must not share the first run's inputs: it refuses."""
-    a0, _ = _addresses(inproc)
-
-    def begin(dask_worker: Any) -> None:
-        dask_worker.extensions["dagdiff"]._state("s-twice/n1", start=True)
-
-    inproc.run(begin, workers=[a0])
-    prog = Program("prog_slot0-n0-abc", "s-twice", "slot0", a0, (), (), timeout=1)
-    with pytest.raises(dd.DirectDispatchError, match="already started on"):
-        _submit(inproc, prog, a0).result(timeout=30)
-    # a new run of the same step (a new nonce: the step computed again) runs
-    assert _submit(inproc, prog, a0, nonce="n2").result(timeout=30) == {}
-
-
-def test_unstarted_runs_are_kept_for_twice_their_timeout(monkeypatch: Any) -> None:
-    class Worker:
-        address = "inproc://x/1/1"
-        handlers: dict[str, Any] = {}
-        extensions: dict[str, Any] = {}
-
-    monkeypatch.setattr(rt_mod, "STALE_AFTER", 10.0)
-    rt = rt_mod.DirectRuntime(Worker())
-    with dask_config({"dagdiff.direct.timeout": "100s"}):
-        long = rt._state("s-long/n")                     # kept 200 s
-    short_cfg = {"dagdiff.direct.timeout": "1s"}
-    with dask_config(short_cfg):
-        short = rt._state("s-short/n")                   # kept 10 s
-    assert short is not None and long is not None
-    short.created -= 50
-    long.created -= 50
-    rt._finish("s-other/n", "ended")                     # sweeps
-    assert "s-short/n" not in rt._runs
-    assert rt._runs["s-long/n"] is long
-
-
-def dask_config(values: dict[str, Any]) -> Any:
-    import dask
-
-    return dask.config.set(values)
-
-
-def _send_many(n: int, to: str, dask_worker: Any) -> None:
-    rt = dask_worker.extensions["dagdiff"]
-    for i in range(n):
-        rt.transport.send(to, Value("r-order", f"k{i}", 1, pack(np.full(3, i))),
-                          lambda e: None)
-
-
-def _received(run: str, dask_worker: Any) -> tuple[list[str], dict[str, str]]:
-    st = dask_worker.extensions["dagdiff"]._runs.get(run)
-    if st is None:
-        return [], {}
-    return list(st.values), dict(st.errors)
-
-
-def _until(fn: Any, within: float = 20.0) -> Any:
-    deadline = time.time() + within
-    while True:
-        got = fn()
-        if got or time.time() > deadline:
-            return got
-        time.sleep(0.05)
-
-
-@pytest.mark.distributed
-@pytest.mark.parametrize("where", ["tcp", "inproc"])
-def test_messages_arrive_in_order(where: str, request: Any) -> None:
-    client = request.getfixturevalue("client2" if where == "tcp" else "inproc")
-    a0, a1 = _addresses(client)
-    client.run(_send_many, 300, a1, workers=[a0])
-    got = _until(lambda: len(client.run(_received, "r-order", workers=[a1])[a1][0]) == 300
-                 and client.run(_received, "r-order", workers=[a1])[a1][0])
-    assert got == [f"k{i}" for i in range(300)]
-
-
-class _Unpicklable:
-    """Pickles fine, fails to unpickle (a class the receiver cannot rebuild)."""
-
-    def __reduce__(self) -> Any:
-        return (_refuse, ())
-
-
-def _refuse() -> Any:
-    raise RuntimeError("cannot rebuild this here")
-
-
-def _send_bad_then_good(to: str, dask_worker: Any) -> None:
-    rt = dask_worker.extensions["dagdiff"]
-    rt.transport.send(to, Value("r-bad", "bad", 1, pack(_Unpicklable())), lambda e: None)
-    rt.transport.send(to, Value("r-bad", "good", 1, pack(np.ones(2))), lambda e: None)
-
-
-@pytest.mark.distributed
-def test_a_value_that_does_not_deserialize_arrives_as_an_error(client2: Any) -> None:
-    a0, a1 = _addresses(client2)
-    client2.run(_send_bad_then_good, a1, workers=[a0])
-    values, errors = _until(lambda: (lambda v: v if v[0] else None)(
-        client2.run(_received, "r-bad", workers=[a1])[a1]))
-    assert values == ["good"]                        # the stream went on
-    assert "the value of bad could not be received on" in errors["bad"]
-    assert "cannot rebuild this here" in errors["bad"]
-
-
-async def _send_to_dead(to: str, dask_worker: Any) -> Any:
-    import asyncio
-
-    rt = dask_worker.extensions["dagdiff"]
-    got: asyncio.Future = asyncio.get_running_loop().create_future()
-    t0 = time.perf_counter()
-    rt.transport.send(to, Value("r-dead", "k", 1, pack(1)), got.set_result)
-    err = await asyncio.wait_for(got, 60)
-    return (None if err is None else type(err).__name__), time.perf_counter() - t0
-
-
-@pytest.mark.distributed
-def test_a_send_to_a_worker_that_is_gone_fails_in_bounded_time(client2: Any) -> None:
-    with socket_closed_port() as port:
-        pass
-    a0, _ = _addresses(client2)
-    (err, took), = client2.run(_send_to_dead, f"tcp://127.0.0.1:{port}",
-                               workers=[a0]).values()
-    assert err is not None                           # reported to the sender
-    assert took < 15                                 # the connect deadline (10 s)
-
-
-async def _send_unserializable_then_good(to: str, dask_worker: Any) -> Any:
-    import asyncio
-    import threading
-
-    rt = dask_worker.extensions["dagdiff"]
-    loop = asyncio.get_running_loop()
-    bad: asyncio.Future = loop.create_future()
-    good: asyncio.Future = loop.create_future()
-    rt.transport.send(to, Value("r-unser", "bad", 1, pack(threading.Lock())), bad.set_result)
-    err = await asyncio.wait_for(bad, 30)
-    rt.transport.send(to, Value("r-unser", "good", 1, pack(np.ones(2))), good.set_result)
-    ok = await asyncio.wait_for(good, 30)
-    return type(err).__name__, ok
-
-
-@pytest.mark.distributed
-def test_a_value_that_does_not_serialize_fails_only_its_own_send(client2: Any) -> None:
-    """A value pickling refuses fails its sender's message; the comm to that worker stays
-    usable (it is not taken for a lost worker)."""
-    a0, a1 = _addresses(client2)
-    (err, ok), = client2.run(_send_unserializable_then_good, a1, workers=[a0]).values()
-    assert err is not None and ok is None
-    got = _until(lambda: client2.run(_received, "r-unser", workers=[a1])[a1][0])
-    assert got == ["good"]
-
-
-def _listening_ports(dask_worker: Any) -> tuple[list[int], list[int]]:
-    """(ports this worker process listens on, ports Dask's own servers listen on)."""
-    import psutil
-
-    mine = sorted({c.laddr.port for c in psutil.Process().net_connections(kind="inet")
-                   if c.status == psutil.CONN_LISTEN})
-    own = {int(dask_worker.address.rsplit(":", 1)[1])}
-    http = getattr(dask_worker, "http_server", None)
-    for sock in getattr(http, "_sockets", {}).values():
-        own.add(sock.getsockname()[1])
-    return mine, sorted(own)
-
-
-@pytest.mark.distributed
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_pipelines_run_direct_on_a_tls_cluster_and_open_no_port_of_their_own() -> None:
-    """security=True (distributed's temporary self-signed credentials): the step runs
-    with direct dispatch, its values travel over the cluster's TLS comms, equals jax,
-    and the workers listen on Dask's ports only."""
-    from distributed import Client
-
-    cluster = dd.local_cluster(n_workers=2, dashboard_address=None, quiet=True,
-                               security=True)
-    client = Client(cluster, set_as_default=False)
-    try:
-        assert all(a.startswith("tls://") for a in client.scheduler_info()["workers"])
-        loss_fn = make_loss(2)
-        params, x, t = data(2)
-        with client.as_current():
-            for schedule in ("1f1b", "zb-h1"):
-                loss, grads = dd.value_and_grad(loss_fn, microbatches=4, schedule=schedule)(
-                    params, x, t)
-                funcs = {getattr(v, "func", None) for v in dict(loss.__dask_graph__()).values()}
-                assert run_program in funcs
-                got_l, got_g = client.compute([loss, grads], sync=True)
-                assert_matches_jax(loss_fn, (params, x, t), got_l, got_g)
-        for addr, (mine, own) in client.run(_listening_ports).items():
-            assert set(mine) <= set(own), (addr, mine, own)
-    finally:
-        client.close()
-        cluster.close()
-
-
-def test_in_process_workers_use_direct_dispatch(inproc: Any) -> None:
-    """processes=False: workers talk inproc://; programs send through the same comms."""
-    loss_fn = make_loss(2)
-    params, x, t = data(2)
-    with inproc.as_current():
-        for schedule in ("1f1b", "gpipe"):
-            loss, grads = dd.value_and_grad(loss_fn, microbatches=4, schedule=schedule)(
-                params, x, t)
-            got_l, got_g = inproc.compute([loss, grads], sync=True)
-            funcs = {getattr(v, "func", None) for v in dict(loss.__dask_graph__()).values()}
-            assert run_program in funcs
-            assert_matches_jax(loss_fn, (params, x, t), got_l, got_g)
-
-
-def _identity(v: Any) -> Any:
-    return v
-
-
-@contextlib.contextmanager
-def socket_closed_port() -> Any:
-    """A local port nobody listens on."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    yield port
-
-
 # --- found while writing these tests ------------------------------------------------------
 
 def _double_fwd(x: Any) -> Any:
@@ -751,13 +279,6 @@ def test_trainer_steps_in_flight_with_dropped_losses_match_scheduler_dispatch(
             state, _ = tr.step(state, x + 0.1 * i, t)   # the loss Future is dropped
         final[dispatch] = tr.params(state)
     close(final["direct"], final["scheduler"])
-
-
-def assert_matches_jax(fn: Any, args: tuple[Any, ...], got_l: Any, got_g: Any) -> None:
-    """Loss and grads equal `jax.value_and_grad(fn)(*args)`."""
-    want_l, want_g = jax.value_and_grad(fn)(*args)
-    np.testing.assert_allclose(got_l, want_l, rtol=1e-5)
-    close(got_g, want_g)
 
 
 def _exit_process() -> None:

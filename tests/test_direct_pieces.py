@@ -1,0 +1,352 @@
+"""Direct dispatch, piece by piece on in-process and TCP clusters: inputs that never come,
+programs on the wrong worker, dead producers, message order, values that do not (de)serialize,
+sends to workers that are gone, TLS."""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import dagdiff as dd
+from dagdiff.runtime.direct import Action as DirectAction, Program, run_program
+from dagdiff.runtime.direct import runtime as rt_mod
+from dagdiff.runtime.direct.messages import Value, pack
+from tests.models import assert_matches_jax, data, make_loss, probe_every
+
+
+# --- the pieces, on in-process and TCP clusters ------------------------------------------
+
+@pytest.fixture(scope="module")
+def inproc() -> Any:
+    """A client of a 2-worker in-process cluster (inproc:// comms)."""
+    from distributed import Client
+
+    cluster = dd.local_cluster(n_workers=2, dashboard_address=None, quiet=True,
+                               processes=False)
+    client = Client(cluster, set_as_default=False)
+    from dagdiff.runtime.plugins import ensure_colocation
+
+    ensure_colocation(client)
+    yield client
+    client.close()
+    cluster.close()
+
+
+def _addresses(client: Any) -> list[str]:
+    slots = dd.cluster.info.slot_names(client)
+    return sorted(slots, key=slots.__getitem__)
+
+
+def _submit(client: Any, prog: Program, address: str, nonce: str = "n1") -> Any:
+    return client.submit(run_program, prog, nonce, workers=[address], pure=False,
+                         allow_other_workers=False)
+
+
+def test_a_missing_input_times_out_with_the_facts(inproc: Any) -> None:
+    from dagdiff.runtime.taskspec import Task, TaskRef
+
+    a0, a1 = _addresses(inproc)
+    src = "fwd_dense-s0-m0-n0-abc"
+    key = "fwd_dense-s1-m0-n1-abc"
+    action = DirectAction(key, Task(key, _identity, TaskRef(src)), ((src, "slot0"),), 0, (),
+                          True)
+    prog = Program("prog_slot1-n1-abc", "s-test", "slot1", a1, (action,), (), timeout=0.3,
+                   members=(("slot0", a0),))
+    t0 = time.perf_counter()
+    with pytest.raises(dd.DirectDispatchError) as e:
+        _submit(inproc, prog, a1).result(timeout=30)
+    text = str(e.value)
+    assert time.perf_counter() - t0 < 5
+    assert f"{key} on slot1 waited 0.3 s for input {src} from slot0" in text
+    assert "dagdiff.direct.timeout" in text
+
+
+def test_a_program_built_for_another_worker_refuses_to_run(inproc: Any) -> None:
+    """Dask reruns a lost worker's program on its replacement (a new address): the
+    others sent their values to the old one, so it fails at once, saying so."""
+    a0, a1 = _addresses(inproc)
+    prog = Program("prog_slot1-n1-abc", "s-moved", "slot1", "inproc://gone/1/1", (), (),
+                   timeout=60)
+    with pytest.raises(dd.DirectDispatchError, match="was lost or restarted since"):
+        _submit(inproc, prog, a1).result(timeout=30)
+
+
+@pytest.mark.distributed
+def test_a_dead_producer_is_noticed_while_waiting(client2: Any) -> None:
+    from dagdiff.runtime.taskspec import Task, TaskRef
+
+    with socket_closed_port() as port:     # a port nobody listens on any more
+        pass
+    a0, _ = _addresses(client2)
+    old = client2.run(probe_every, 0.2, workers=[a0])
+    try:
+        src = "vjp_dense-s1-m0-n1-abc"
+        key = "vjp_dense-s0-m0-n0-abc"
+        dead = f"tcp://127.0.0.1:{port}"
+        action = DirectAction(key, Task(key, _identity, TaskRef(src)), ((src, "slot1"),), 0,
+                              (), True)
+        prog = Program("prog_slot0-n0-abc", "s-probe", "slot0", a0, (action,), (),
+                       timeout=60, members=(("slot1", dead),))
+        t0 = time.perf_counter()
+        with pytest.raises(dd.DirectDispatchError, match="where nothing listens any more") as e:
+            _submit(client2, prog, a0).result(timeout=60)
+        assert time.perf_counter() - t0 < 20
+        assert f"waits for input {src} from slot1 at {dead}" in str(e.value)
+    finally:
+        client2.run(probe_every, *old[a0], workers=[a0])
+
+
+def _fails(x: Any) -> Any:
+    raise ValueError("boom")
+
+
+@pytest.mark.distributed
+def test_a_failed_program_does_not_wait_to_tell_unreachable_consumers(client2: Any) -> None:
+    """A failed program queues its error notices and returns: 30 actions whose consumer
+    cannot be reached cost nothing."""
+    from dagdiff.runtime.direct.runtime import Remote
+    from dagdiff.runtime.taskspec import Task
+
+    with socket_closed_port() as port:
+        pass
+    a0, _ = _addresses(client2)
+    dead = f"tcp://127.0.0.1:{port}"
+    remote = (Remote("slot1", dead, 1),)
+    actions = tuple(DirectAction(f"fwd_dense-s0-m{i}-n0-abc",
+                                 Task(f"fwd_dense-s0-m{i}-n0-abc", _fails, i), (), 0,
+                                 remote, False) for i in range(30))
+    prog = Program("prog_slot0-n0-abc", "s-fail-fast", "slot0", a0, actions, (), timeout=60,
+                   members=(("slot1", dead),))
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match="boom"):
+        _submit(client2, prog, a0).result(timeout=60)
+    assert time.perf_counter() - t0 < 5
+
+
+def test_a_run_starts_once_per_worker(inproc: Any) -> None:
+    """Dask running the same program of the same run twice on one worker (an in-process
+    worker restarted mid-step) must not share the first run's inputs: it refuses."""
+    a0, _ = _addresses(inproc)
+
+    def begin(dask_worker: Any) -> None:
+        dask_worker.extensions["dagdiff"]._state("s-twice/n1", start=True)
+
+    inproc.run(begin, workers=[a0])
+    prog = Program("prog_slot0-n0-abc", "s-twice", "slot0", a0, (), (), timeout=1)
+    with pytest.raises(dd.DirectDispatchError, match="already started on"):
+        _submit(inproc, prog, a0).result(timeout=30)
+    # a new run of the same step (a new nonce: the step computed again) runs
+    assert _submit(inproc, prog, a0, nonce="n2").result(timeout=30) == {}
+
+
+def test_unstarted_runs_are_kept_for_twice_their_timeout(monkeypatch: Any) -> None:
+    class Worker:
+        address = "inproc://x/1/1"
+        handlers: dict[str, Any] = {}
+        extensions: dict[str, Any] = {}
+
+    monkeypatch.setattr(rt_mod, "STALE_AFTER", 10.0)
+    rt = rt_mod.DirectRuntime(Worker())
+    with dask_config({"dagdiff.direct.timeout": "100s"}):
+        long = rt._state("s-long/n")                     # kept 200 s
+    short_cfg = {"dagdiff.direct.timeout": "1s"}
+    with dask_config(short_cfg):
+        short = rt._state("s-short/n")                   # kept 10 s
+    assert short is not None and long is not None
+    short.created -= 50
+    long.created -= 50
+    rt._finish("s-other/n", "ended")                     # sweeps
+    assert "s-short/n" not in rt._runs
+    assert rt._runs["s-long/n"] is long
+
+
+def dask_config(values: dict[str, Any]) -> Any:
+    import dask
+
+    return dask.config.set(values)
+
+
+def _send_many(n: int, to: str, dask_worker: Any) -> None:
+    rt = dask_worker.extensions["dagdiff"]
+    for i in range(n):
+        rt.transport.send(to, Value("r-order", f"k{i}", 1, pack(np.full(3, i))),
+                          lambda e: None)
+
+
+def _received(run: str, dask_worker: Any) -> tuple[list[str], dict[str, str]]:
+    st = dask_worker.extensions["dagdiff"]._runs.get(run)
+    if st is None:
+        return [], {}
+    return list(st.values), dict(st.errors)
+
+
+def _until(fn: Any, within: float = 20.0) -> Any:
+    deadline = time.time() + within
+    while True:
+        got = fn()
+        if got or time.time() > deadline:
+            return got
+        time.sleep(0.05)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("where", ["tcp", "inproc"])
+def test_messages_arrive_in_order(where: str, request: Any) -> None:
+    client = request.getfixturevalue("client2" if where == "tcp" else "inproc")
+    a0, a1 = _addresses(client)
+    client.run(_send_many, 300, a1, workers=[a0])
+    got = _until(lambda: len(client.run(_received, "r-order", workers=[a1])[a1][0]) == 300
+                 and client.run(_received, "r-order", workers=[a1])[a1][0])
+    assert got == [f"k{i}" for i in range(300)]
+
+
+class _Unpicklable:
+    """Pickles fine, fails to unpickle (a class the receiver cannot rebuild)."""
+
+    def __reduce__(self) -> Any:
+        return (_refuse, ())
+
+
+def _refuse() -> Any:
+    raise RuntimeError("cannot rebuild this here")
+
+
+def _send_bad_then_good(to: str, dask_worker: Any) -> None:
+    rt = dask_worker.extensions["dagdiff"]
+    rt.transport.send(to, Value("r-bad", "bad", 1, pack(_Unpicklable())), lambda e: None)
+    rt.transport.send(to, Value("r-bad", "good", 1, pack(np.ones(2))), lambda e: None)
+
+
+@pytest.mark.distributed
+def test_a_value_that_does_not_deserialize_arrives_as_an_error(client2: Any) -> None:
+    a0, a1 = _addresses(client2)
+    client2.run(_send_bad_then_good, a1, workers=[a0])
+    values, errors = _until(lambda: (lambda v: v if v[0] else None)(
+        client2.run(_received, "r-bad", workers=[a1])[a1]))
+    assert values == ["good"]                        # the stream went on
+    assert "the value of bad could not be received on" in errors["bad"]
+    assert "cannot rebuild this here" in errors["bad"]
+
+
+async def _send_to_dead(to: str, dask_worker: Any) -> Any:
+    import asyncio
+
+    rt = dask_worker.extensions["dagdiff"]
+    got: asyncio.Future = asyncio.get_running_loop().create_future()
+    t0 = time.perf_counter()
+    rt.transport.send(to, Value("r-dead", "k", 1, pack(1)), got.set_result)
+    err = await asyncio.wait_for(got, 60)
+    return (None if err is None else type(err).__name__), time.perf_counter() - t0
+
+
+@pytest.mark.distributed
+def test_a_send_to_a_worker_that_is_gone_fails_in_bounded_time(client2: Any) -> None:
+    with socket_closed_port() as port:
+        pass
+    a0, _ = _addresses(client2)
+    (err, took), = client2.run(_send_to_dead, f"tcp://127.0.0.1:{port}",
+                               workers=[a0]).values()
+    assert err is not None                           # reported to the sender
+    assert took < 15                                 # the connect deadline (10 s)
+
+
+async def _send_unserializable_then_good(to: str, dask_worker: Any) -> Any:
+    import asyncio
+    import threading
+
+    rt = dask_worker.extensions["dagdiff"]
+    loop = asyncio.get_running_loop()
+    bad: asyncio.Future = loop.create_future()
+    good: asyncio.Future = loop.create_future()
+    rt.transport.send(to, Value("r-unser", "bad", 1, pack(threading.Lock())), bad.set_result)
+    err = await asyncio.wait_for(bad, 30)
+    rt.transport.send(to, Value("r-unser", "good", 1, pack(np.ones(2))), good.set_result)
+    ok = await asyncio.wait_for(good, 30)
+    return type(err).__name__, ok
+
+
+@pytest.mark.distributed
+def test_a_value_that_does_not_serialize_fails_only_its_own_send(client2: Any) -> None:
+    """A value pickling refuses fails its sender's message; the comm to that worker stays
+    usable (it is not taken for a lost worker)."""
+    a0, a1 = _addresses(client2)
+    (err, ok), = client2.run(_send_unserializable_then_good, a1, workers=[a0]).values()
+    assert err is not None and ok is None
+    got = _until(lambda: client2.run(_received, "r-unser", workers=[a1])[a1][0])
+    assert got == ["good"]
+
+
+def _listening_ports(dask_worker: Any) -> tuple[list[int], list[int]]:
+    """(ports this worker process listens on, ports Dask's own servers listen on)."""
+    import psutil
+
+    mine = sorted({c.laddr.port for c in psutil.Process().net_connections(kind="inet")
+                   if c.status == psutil.CONN_LISTEN})
+    own = {int(dask_worker.address.rsplit(":", 1)[1])}
+    http = getattr(dask_worker, "http_server", None)
+    for sock in getattr(http, "_sockets", {}).values():
+        own.add(sock.getsockname()[1])
+    return mine, sorted(own)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_pipelines_run_direct_on_a_tls_cluster_and_open_no_port_of_their_own() -> None:
+    """security=True (distributed's temporary self-signed credentials): the step runs
+    with direct dispatch, its values travel over the cluster's TLS comms, equals jax,
+    and the workers listen on Dask's ports only."""
+    from distributed import Client
+
+    cluster = dd.local_cluster(n_workers=2, dashboard_address=None, quiet=True,
+                               security=True)
+    client = Client(cluster, set_as_default=False)
+    try:
+        assert all(a.startswith("tls://") for a in client.scheduler_info()["workers"])
+        loss_fn = make_loss(2)
+        params, x, t = data(2)
+        with client.as_current():
+            for schedule in ("1f1b", "zb-h1"):
+                loss, grads = dd.value_and_grad(loss_fn, microbatches=4, schedule=schedule)(
+                    params, x, t)
+                funcs = {getattr(v, "func", None) for v in dict(loss.__dask_graph__()).values()}
+                assert run_program in funcs
+                got_l, got_g = client.compute([loss, grads], sync=True)
+                assert_matches_jax(loss_fn, (params, x, t), got_l, got_g)
+        for addr, (mine, own) in client.run(_listening_ports).items():
+            assert set(mine) <= set(own), (addr, mine, own)
+    finally:
+        client.close()
+        cluster.close()
+
+
+def test_in_process_workers_use_direct_dispatch(inproc: Any) -> None:
+    """processes=False: workers talk inproc://; programs send through the same comms."""
+    loss_fn = make_loss(2)
+    params, x, t = data(2)
+    with inproc.as_current():
+        for schedule in ("1f1b", "gpipe"):
+            loss, grads = dd.value_and_grad(loss_fn, microbatches=4, schedule=schedule)(
+                params, x, t)
+            got_l, got_g = inproc.compute([loss, grads], sync=True)
+            funcs = {getattr(v, "func", None) for v in dict(loss.__dask_graph__()).values()}
+            assert run_program in funcs
+            assert_matches_jax(loss_fn, (params, x, t), got_l, got_g)
+
+
+def _identity(v: Any) -> Any:
+    return v
+
+
+@contextlib.contextmanager
+def socket_closed_port() -> Any:
+    """A local port nobody listens on."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    yield port
