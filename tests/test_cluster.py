@@ -19,6 +19,7 @@ def _env() -> dict[str, str | None]:
                                            "OMP_NUM_THREADS")}
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(180)
 def test_workers_start_with_the_top_pad_and_keep_it_after_a_restart() -> None:

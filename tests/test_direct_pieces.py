@@ -242,6 +242,7 @@ async def _send_to_dead(to: str, dask_worker: Any) -> Any:
     return (None if err is None else type(err).__name__), time.perf_counter() - t0
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_send_to_a_worker_that_is_gone_fails_in_bounded_time(client2: Any) -> None:
     with socket_closed_port() as port:

@@ -49,6 +49,7 @@ def close(a: Any, b: Any) -> None:
         np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_kernel_layers_match_jax_on_threads() -> None:
     params, x, y = setup()
     want = jax.value_and_grad(lambda p, x, y: model(p, x, y, JaxOps))(params, x, y)

@@ -104,6 +104,7 @@ def test_pytrees_between_stages_on_the_cluster(client2: Any) -> None:
             check(loss, step.compute(params, *args), params, *args)
 
 
+@pytest.mark.slow
 def test_lengths_that_change_per_step_compile_once_per_shape() -> None:
     loss, params = make_loss("tuple"), params_()
     step = dd.value_and_grad(loss, microbatches=2, schedule="1f1b")
@@ -118,6 +119,7 @@ def test_lengths_that_change_per_step_compile_once_per_shape() -> None:
     assert seen[8] == seen[13] == seen[21] == 2, seen
 
 
+@pytest.mark.slow
 def test_pad_to_bucket_keeps_the_loss_and_bounds_the_shapes() -> None:
     loss, params = make_loss("tuple"), params_()
     step = dd.value_and_grad(loss, microbatches=2, schedule="1f1b")
@@ -149,6 +151,7 @@ def test_pad_to_bucket_masks_per_row_lengths_and_refuses_what_does_not_fit() -> 
         dd.pad_to_bucket((tokens, tokens[:, :3]), 8)
 
 
+@pytest.mark.slow
 def test_the_signature_cache_is_bounded() -> None:
     loss, params = make_loss("tuple"), params_()
     step = dd.value_and_grad(loss, fuse=True)      # one signature per length

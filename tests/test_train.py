@@ -146,6 +146,7 @@ def test_checkpoint_round_trip_and_exact_resume(tmp_path: Any) -> None:
     close(t3.params(resumed), trainer.params(full), rtol=0)
 
 
+@pytest.mark.slow
 def test_multimodal_grads_equal_jax_grad() -> None:
     import dask
 
@@ -162,6 +163,7 @@ def test_multimodal_grads_equal_jax_grad() -> None:
     close(got_g, want_g)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_multimodal_data_parallel_training(client4: Any) -> None:
     """Two data-parallel groups (text worker + two vision workers each, 6 stage slots on 4
