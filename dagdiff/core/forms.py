@@ -11,6 +11,7 @@ nothing is differentiated, as `eqx.filter_value_and_grad` returns.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 from dataclasses import dataclass
@@ -66,6 +67,11 @@ class ModelForm:
             seen.add(name)
             names.append(name)
         return cls(kind, treedef, tuple(x for _, x in flat), tuple(names), type(obj).__name__)
+
+    def without_params(self) -> "ModelForm":
+        """This form without the parameters' values (enough to `rebuild`)."""
+        return dataclasses.replace(self, leaves=tuple(
+            None if n is not None else x for n, x in zip(self.names, self.leaves)))
 
     def params(self) -> dict[str, Any]:
         """The differentiated arrays, by name."""
@@ -133,9 +139,12 @@ def lower_args(fn: Callable[..., Any], args: Sequence[Any], argnums: Sequence[in
     if not forms:
         return fn, list(args), {}
     new = [forms[i].params() if i in forms else a for i, a in enumerate(args)]
+    # what the rebuilding closure keeps: the fixed leaves only (the parameters always come
+    # from its arguments), so a loss run whole as one layer does not carry the model
+    lean = {i: f.without_params() for i, f in forms.items()}
 
     @functools.wraps(fn)
     def on_params(*a: Any, **kw: Any) -> Any:
-        return fn(*[forms[i].rebuild(x) if i in forms else x for i, x in enumerate(a)], **kw)
+        return fn(*[lean[i].rebuild(x) if i in lean else x for i, x in enumerate(a)], **kw)
 
     return on_params, new, forms
