@@ -107,7 +107,7 @@ def _fails(x: Any) -> Any:
 def test_a_failed_program_does_not_wait_to_tell_unreachable_consumers(client2: Any) -> None:
     """A failed program queues its error notices and returns: 30 actions whose consumer
     cannot be reached cost nothing."""
-    from dagdiff.runtime.direct.runtime import Remote
+    from dagdiff.runtime.direct.program import Remote
     from dagdiff.runtime.taskspec import Task
 
     with socket_closed_port() as port:

@@ -12,6 +12,7 @@ bookkeeping. Here a step is a handful of Dask tasks per worker:
 * `graph`: the rewritten Dask graph: a program task per worker, a ``run_`` nonce task
   (one per submission, so a step computed again is a new run), the step's outputs as
   ordinary tasks that wait for every program;
+* `program`: the frozen records of a worker's program (actions, inputs, consumers);
 * `runtime`: the worker extension that runs programs and keeps each run's state
   (deadlines, failures, cancellation, the closing exchange);
 * `results`: what a program task returns (the values the outputs read in place; an empty
@@ -24,7 +25,8 @@ from __future__ import annotations
 from ...errors import DirectDispatchError, UpstreamError
 from .graph import RESOURCE_SHARE, DirectGraph, next_base, rewrite
 from .plan import linearize, plan_programs
-from .runtime import EXTENSION, Action, DirectRuntime, Program, compute_log, install, run_program
+from .program import Action, Program
+from .runtime import EXTENSION, DirectRuntime, compute_log, install, run_program
 
 
 __all__ = ["DirectDispatchError", "UpstreamError", "RESOURCE_SHARE", "DirectGraph", "next_base",

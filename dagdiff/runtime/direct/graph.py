@@ -13,7 +13,8 @@ from ..tasks import leaves_read
 from ..taskspec import DataNode, Task, TaskRef
 from .plan import ProgramPlan, plan_programs
 from .results import Export, ProgramResult
-from .runtime import Action, Program, Remote, _timeout, new_nonce, run_program
+from .program import Action, Program, Remote
+from .runtime import _timeout, new_nonce, run_program
 
 
 __all__ = ["DirectGraph", "rewrite", "next_base", "RESOURCE_SHARE"]

@@ -9,12 +9,17 @@ A *run* is one execution of a step's programs. Its id is the step's token plus t
 nonce its programs read (a tiny task of the step, computed once per submission of the
 step's graph): computing a step again runs its programs again under a new nonce, so
 the runs never mix, even when Dask reuses every key.
+
+Why ~600 lines in one module: the interpreter, its waits (with probes of a silent
+producer's worker), the outbox and the closing exchange all work on one run's state
+under its one lock; split apart they would pass that state and lock around. Turning
+`_Run` into a run object that owns this behaviour (distributed's shuffle `ShuffleRun`
+is the model) is the planned next step (issue #28).
 """
 from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import itertools
 import logging
 import threading
@@ -33,11 +38,12 @@ from ..internals import scheduler_delay
 from ..live import ActionReporter
 from ..taskspec import Task
 from .messages import End, Failure, Message, Value, pack
+from .program import Action, Program
 from .results import ProgramResult
 from .transport import STATUS_OP, DecodeError, Transport
 
 
-__all__ = ["EXTENSION", "Remote", "Action", "Program", "DirectRuntime", "install", "runtime",
+__all__ = ["EXTENSION", "DirectRuntime", "install", "runtime",
            "run_program", "new_nonce", "compute_log", "PROBE_AFTER", "PROBE_EVERY",
            "STALE_AFTER", "PEER_LOST_OP"]
 
@@ -56,52 +62,6 @@ PROBE_CONNECT_TIMEOUT = 3.0
 #: seconds values received for a run whose program never started here are kept (its
 #: step was cancelled before it ran here); at least twice the step's timeout
 STALE_AFTER = 3600.0
-
-
-@dataclasses.dataclass(frozen=True)
-class Remote:
-    """Consumers of an action's value on another worker."""
-
-    where: str                              # the worker's slot (or address)
-    address: str                            # its Dask address
-    uses: int                               # consumer actions there
-    leaves: frozenset[int] | None = None    # the leaves they read (None: all)
-
-
-@dataclasses.dataclass(frozen=True)
-class Action:
-    """One task of a program: the Dask task (ordering-only edges dropped), where its
-    inputs come from, and where its value goes."""
-
-    key: str
-    task: Task
-    inputs: tuple[tuple[str, str], ...]     # (producer key, producer's worker)
-    local: int                              # consumer actions on this worker
-    remote: tuple[Remote, ...]              # consumers on other workers
-    export: bool                            # an ordinary task (an output) reads it
-
-
-@dataclasses.dataclass(frozen=True)
-class Program:
-    """A worker's part of one step: its actions in run order."""
-
-    key: str
-    step: str                               # token shared by the step's programs
-    where: str                              # worker slot (or address)
-    address: str                            # the worker it was built for
-    actions: tuple[Action, ...]
-    statics: tuple[str, ...]                # keys of the step's inputs, in argument order
-    timeout: float
-    #: (where, address) of the step's other programs (the closing exchange, probes)
-    members: tuple[tuple[str, str], ...] = ()
-    #: report each finished action to the scheduler, for the dashboard (`dagdiff.runtime.live`)
-    live: bool = False
-
-    def address_of(self, where: str) -> str:
-        for w, address in self.members:
-            if w == where:
-                return address
-        return where
 
 
 class _Run:
