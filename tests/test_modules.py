@@ -79,6 +79,11 @@ def test_nnx_model_grads_are_an_nnx_state_equal_to_nnx_value_and_grad(pipeline: 
     assert isinstance(got, nnx.State)
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
     assert_same(got, want)
+    # persisted, the gradients stay one collection and compute to the same State
+    (kept,) = dask.persist(grads, scheduler="threads")
+    assert isinstance(kept, DelayedTree)
+    assert_same(dask.compute(kept)[0], want)
+    assert isinstance(grads.delayed, nnx.State)        # its Delayed leaves, to pick from
     # the model given is left as it was: nothing of the trace leaks into it
     assert all(isinstance(v, jax.Array) for v in jax.tree_util.tree_leaves(model))
 

@@ -11,8 +11,11 @@ from dask.base import DaskMethodsMixin
 from dask.delayed import Delayed
 from dask.highlevelgraph import HighLevelGraph
 
+from ..errors import ArgumentError
+
 
 __all__ = ["DelayedTree", "needs_collection"]
+
 
 def needs_collection(tree: Any) -> bool:
     """True when `tree` (Delayed or None leaves) holds a pytree node that `dask.compute`
@@ -40,7 +43,7 @@ class DelayedTree(DaskMethodsMixin):
         leaves, treedef = jax.tree_util.tree_flatten(tree)
         if not all(isinstance(x, Delayed) for x in leaves):
             bad = next(type(x).__name__ for x in leaves if not isinstance(x, Delayed))
-            raise TypeError(f"DelayedTree needs Delayed leaves, got a {bad}")
+            raise ArgumentError(f"DelayedTree needs Delayed leaves, got a {bad}")
         self._leaves: tuple[Delayed, ...] = tuple(leaves)
         # the pytree with each leaf's position: it pickles where a treedef may not
         self._skeleton = jax.tree_util.tree_unflatten(treedef,
