@@ -12,6 +12,7 @@ import pytest
 import dagdiff as dd
 from dagdiff.cluster.info import slot_names
 from tests import models as M
+from tests.models import close
 
 KEY = jax.random.PRNGKey(3)
 
@@ -42,11 +43,6 @@ def data(width: int = 16, batch: int = 8) -> tuple[Any, Any, Any]:
     x = jax.random.normal(jax.random.fold_in(KEY, 1), (batch, width))
     t = jax.random.normal(jax.random.fold_in(KEY, 2), (batch, width))
     return params, x, t
-
-
-def leaves_close(got: Any, want: Any) -> None:
-    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
 def run_recorded(client: Any, fn: Any, *args: Any,
@@ -81,7 +77,7 @@ def test_stages_run_on_their_slots(request: Any, nworkers: int) -> None:
     got, loss, where, grads = run_recorded(client, staged_loss_all, params, x, t)
     want = jax.value_and_grad(staged_loss_all)(params, x, t)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
-    leaves_close(got[1], want[1])
+    close(got[1], want[1])
 
     slot_of = slot_names(client)
     where = _dagdiff(where)
@@ -125,7 +121,7 @@ def test_params_stay_on_workers_between_calls(client2: Any) -> None:
         lambda dask_scheduler, keys=sorted(external_deps(loss2)): sum(
             dask_scheduler.tasks[k].nbytes for k in keys))
     assert nbytes >= sum(a.nbytes for a in jax.tree_util.tree_leaves(params))  # true sizes
-    leaves_close(got[1], jax.grad(staged_loss_all)(params, x + 1.0, t))
+    close(got[1], jax.grad(staged_loss_all)(params, x + 1.0, t))
 
 
 @pytest.mark.distributed
@@ -135,7 +131,7 @@ def test_restart_keeps_stage_pinning(client2: Any) -> None:
     run_recorded(client2, staged_loss_all, params, x, t)
     client2.restart_workers(list(client2.scheduler_info()["workers"]))
     got, loss, where, _ = run_recorded(client2, staged_loss_all, params, x, t)
-    leaves_close(got[1], jax.grad(staged_loss_all)(params, x, t))
+    close(got[1], jax.grad(staged_loss_all)(params, x, t))
     slot_of = slot_names(client2)
     for k, w in _dagdiff(where).items():
         info = dd.key_info(k)
@@ -169,7 +165,7 @@ def test_single_process_device_pinning() -> None:
     for k, r in zip(fwd, results):
         assert r.out[0].devices() == {devices[dd.key_info(k).stage % len(devices)]}, k
     got = dask.compute(loss, grads, scheduler="threads")
-    leaves_close(got[1], jax.grad(staged_loss_all)(params, x, t))
+    close(got[1], jax.grad(staged_loss_all)(params, x, t))
 
 
 @dd.layer
@@ -209,7 +205,7 @@ def test_auto_stages_balance_by_cost() -> None:
               if dd.key_info(key).phase == "F"}
     assert stages == set(range(k))
     got = dask.compute(grads, scheduler="threads")[0]
-    leaves_close(got, jax.grad(loss_fn)(ps, x))
+    close(got, jax.grad(loss_fn)(ps, x))
 
 
 def test_fusion_one_task_pair_per_stage(compute: Any) -> None:
@@ -223,7 +219,7 @@ def test_fusion_one_task_pair_per_stage(compute: Any) -> None:
     got = compute(loss, grads)
     want = jax.value_and_grad(staged_loss_all)(params, x, t)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
-    leaves_close(got[1], want[1])
+    close(got[1], want[1])
 
 
 def test_a_stage_whose_slot_is_lost_goes_to_a_free_survivor_else_the_least_busy() -> None:

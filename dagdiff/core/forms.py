@@ -96,12 +96,6 @@ class ModelForm:
         return jax.tree_util.tree_unflatten(
             self.treedef, [None if n is None else grads.get(n) for n in self.names])
 
-    def signature(self) -> tuple[Any, ...]:
-        """What identifies the form's structure (for caches keyed by it)."""
-        return (self.library, self.treedef, self.names,
-                tuple(None if n is not None else (np.shape(x), str(getattr(x, "dtype", "")))
-                      if is_array(x) else None for n, x in zip(self.names, self.leaves)))
-
 
 def _check_unshared(module: Any, n: int) -> None:
     """Refuse an NNX module that holds one variable or submodule in two places: as a

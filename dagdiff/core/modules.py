@@ -174,12 +174,16 @@ jax.tree_util.register_pytree_with_keys(
     flatten_func=lambda l: ((l.module,), (l.name, l.remat, l.stage)))
 
 
+_NNX_REGISTERED = False
+
+
 def register_with_nnx() -> None:
     """Let NNX modules hold a `ModuleLayer` as an attribute (a data value with arrays)."""
+    global _NNX_REGISTERED
     nnx = sys.modules.get("flax.nnx")
-    if nnx is not None and not getattr(register_with_nnx, "done", False):
+    if nnx is not None and not _NNX_REGISTERED:
         nnx.register_data_type(ModuleLayer)
-        register_with_nnx.done = True  # type: ignore[attr-defined]
+        _NNX_REGISTERED = True
 
 
 def module_layer(module: Any, name: str | None, remat: bool, stage: int | None
