@@ -10,7 +10,6 @@ from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
 from ..cluster.targets import Targets, annotations_for
 from ..runtime.direct import RESOURCE_SHARE, DirectGraph, rewrite
-from ..runtime.tasks import FORWARD_OF, forwards_of
 
 
 __all__ = ["OutKey", "to_delayed", "assemble", "assemble_direct", "direct_layer"]
@@ -52,9 +51,6 @@ def assemble(dsk: dict[str, Any], stage_of: Mapping[str, int | None], targets: T
     annotations = annotations_for(stage_of, targets)
     if priority:
         annotations["priority"] = priority.get
-    pairs = forwards_of(dsk)        # each backward task names its forward (a cluster's
-    if pairs:                       # scheduler plugin keeps the two on one worker)
-        annotations[FORWARD_OF] = pairs.get
     layer = MaterializedLayer(dsk, annotations=annotations or None)
     return HighLevelGraph({name: layer}, {name: set()})
 

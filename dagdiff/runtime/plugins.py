@@ -19,13 +19,13 @@ from dask.utils import parse_timedelta
 from distributed.active_memory_manager import ReduceReplicas
 from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 
+from ..core.keys import is_backward_of, is_forward
 from .direct import install
 from .direct.runtime import PEER_LOST_OP
 from .internals import (amm_policies, pin_task, shorten_interval, stream_comms, unpin_task,
                         worker_stream)
 from .live import LiveActions
 from .serialize import register
-from .tasks import FORWARD_OF
 
 
 __all__ = ["ColocateVJP", "ensure_colocation", "MEMBERSHIP_TOPIC", "is_registered"]
@@ -93,19 +93,20 @@ class ColocateVJP(SchedulerPlugin):
             self.scheduler.log_event(MEMBERSHIP_TOPIC, {"action": action, "worker": worker})
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+        if not is_forward(key):
+            return
         if finish != "memory" and start != "memory":
             return
         ts = self.scheduler.tasks.get(key) if self.scheduler is not None else None
-        if ts is None or not ts.dependents:
+        if ts is None:
             return
         pin = None
         if finish == "memory" and ts.who_has:
             pin = {next(iter(ts.who_has)).address}
         for dts in ts.dependents:
-            notes = dts.annotations or {}
-            # the backward tasks of this forward (the relation the graph carries), unless
-            # the user placed them explicitly
-            if notes.get(FORWARD_OF) == key and "workers" not in notes:
+            k = dts.key
+            if (is_backward_of(k, key)
+                    and "workers" not in (dts.annotations or {})):  # explicit placement wins
                 if pin is not None:
                     pin_task(dts, pin)
                 else:

@@ -1,7 +1,7 @@
 """What runs inside the tasks: forward (value + pullback), VJP, sums, slices."""
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -10,16 +10,11 @@ import numpy as np
 from ..core.custom import check_cotangents, fwd_result
 from ..core.spec import CallSpec
 from .compiled import compiled, note_remat, track_live
-from .taskspec import Task, TaskRef
+from .taskspec import TaskRef
 
 
 __all__ = ["FwdResult", "fwd_task", "vjp_task", "sum_task", "slice_task", "mean_task",
-           "acc_task", "select_task", "leaves_read", "host_view", "FORWARD_OF", "forwards_of"]
-
-#: the Dask annotation of a backward task (B, or a split's I and W) naming its forward
-#: task: the pullback lives in the forward's process, so the scheduler plugin keeps the
-#: two on one worker (`dagdiff.runtime.plugins.ColocateVJP`)
-FORWARD_OF = "dagdiff_forward"
+           "acc_task", "select_task", "leaves_read", "host_view"]
 
 
 class FwdResult:
@@ -365,15 +360,3 @@ def leaves_read(task: Any) -> dict[str, frozenset[int] | None]:
         if isinstance(v, TaskRef) and (not known or v.key not in reads):
             read(v, None)       # anything else (ordering edges, unknown tasks): whole
     return {k: (None if v is None else frozenset(v)) for k, v in reads.items()}
-
-
-def forwards_of(dsk: Mapping[str, Any]) -> dict[str, str]:
-    """Backward task key -> the key of the forward task whose result (the pullback) it
-    takes, for every VJP task of `dsk`: the relation `FORWARD_OF` carries."""
-    out = {}
-    for key, task in dsk.items():
-        if isinstance(task, Task) and task.func is vjp_task:
-            fwd = task.args[5]
-            if isinstance(fwd, TaskRef):
-                out[key] = str(fwd.key)
-    return out
