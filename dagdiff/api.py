@@ -23,7 +23,8 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
                    batch_argnums: Sequence[int] | None = None, batch_axis: int = 0,
                    stages: int | str | Any = None,
                    placement: Mapping[int, Any] | None = None, fuse: bool | None = None,
-                   resident: bool = True, dispatch: str | None = None) -> Callable[..., Any]:
+                   resident: bool = True, dispatch: str | None = None,
+                   remat: str | Mapping[int, str] | None = None) -> Callable[..., Any]:
     """Like `jax.value_and_grad`, but returns Dask collections and runs nothing.
 
     ``loss, grads = dd.value_and_grad(loss_fn)(params, x, t)`` traces `loss_fn` once
@@ -58,6 +59,12 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
     a Dask dependency (ordering edges between a worker's actions): slower per action,
     but Dask recomputes lost work.
 
+    ``remat`` chooses what a stage's forward keeps for its backward: "none" (default:
+    every residual), "full" (only the stage's input; its forward runs again in the
+    backward), "selective" (matrix products kept, the rest recomputed), or ``{stage:
+    policy}`` (stages left out: "none"). `dd.best_schedule(..., memory_limit=)` chooses
+    one per stage (`Prediction.remat`). See `dagdiff.core.remat`.
+
     ``step.compute(*args, retries=2)`` builds and computes at once, building and running
     the step again when a worker was lost mid-step (see `compute` on the returned
     function).
@@ -66,7 +73,7 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
                            microbatches=microbatches, schedule=schedule,
                            batch_argnums=batch_argnums, batch_axis=batch_axis, stages=stages,
                            placement=placement, fuse=fuse, resident=resident,
-                           dispatch=dispatch)
+                           dispatch=dispatch, remat=remat)
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:

@@ -28,6 +28,7 @@ from .core.auto import CostSource, auto_stages, is_cost_source
 from .core.backward import BackwardPlan, build_backward
 from .core.forms import ModelForm, lower_args
 from .core.fuse import fuse_trace
+from .core.remat import RematPolicy, apply_remat, check_remat
 from .core.keys import make_key
 from .core.microbatch import microbatch_avals
 from .core.stage import check_stage
@@ -38,6 +39,7 @@ from .lowering import template as templates
 from .lowering.collection import DelayedTree, needs_collection
 from .lowering.graph import OutKey, assemble, assemble_direct, to_delayed
 from .lowering.lower import lower, select, trace_token
+from .lowering.memory import check_memory
 from .lowering.pipeline import lower_pipeline, stage_workers
 from .runtime.plugins import ensure_colocation
 from .runtime.shippable import check_shippable
@@ -79,6 +81,7 @@ class Options:
     fuse: bool = False
     resident: bool = True
     dispatch: str | None = None
+    remat: RematPolicy = "none"
 
     @classmethod
     def make(cls, where: str, *, argnums: int | Sequence[int] = 0, has_aux: bool = False,
@@ -87,7 +90,7 @@ class Options:
              stages: int | str | CostSource | None = None,
              placement: Mapping[int, Any] | None = None,
              fuse: bool | None = None, resident: bool = True,
-             dispatch: str | None = None) -> "Options":
+             dispatch: str | None = None, remat: Any = None) -> "Options":
         """Validate the keywords of `where` (e.g. ``"dd.value_and_grad"``)."""
         if not _pos_int(microbatches):
             raise ArgumentError(f"{where}: microbatches must be a positive int, got "
@@ -113,7 +116,8 @@ class Options:
             (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums))
         return cls(nums, bool(has_aux), microbatches, sched, bnums, batch_axis, stages,
                    tuple(sorted((placement or {}).items())),
-                   pipelined if fuse is None else bool(fuse), bool(resident), dispatch)
+                   pipelined if fuse is None else bool(fuse), bool(resident), dispatch,
+                   check_remat(where, remat))
 
     @property
     def pipelined(self) -> bool:
@@ -124,7 +128,7 @@ class Options:
         lowering reads (`LOWERING_SETTINGS`, at build time): two builds that differ only
         in one of them get different keys."""
         return (self.argnums, self.has_aux, self.fuse, self.microbatches,
-                repr(self.schedule), self.batch_axis,
+                repr(self.schedule), self.batch_axis, self.remat,
                 tuple(str(dask.config.get(k, None)) for k in LOWERING_SETTINGS))
 
 
@@ -279,6 +283,7 @@ def _prepare(trace: Trace, loss: Traced, aux: Any, client: Any,
         loss = remap[(loss.node, loss.leaf)]
         aux = jax.tree_util.tree_map(
             lambda v: remap[(v.node, v.leaf)] if isinstance(v, Traced) else v, aux)
+    apply_remat(trace, options.remat)
     return trace, loss, aux
 
 
@@ -368,6 +373,11 @@ def build(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
                                                         for n, v in inputs.items()})
             return Build(model, options, targets, graph, keys, token, mode)
 
+    if options.pipelined and client is not None and targets.on_workers:
+        # refuse a step that cannot fit before any of it runs (once per template)
+        check_memory(trace, options.schedule, options.microbatches, options.remat,
+                     trace.nodes[model.loss.node].stage,
+                     {g: targets.address(g) for g in model.stages}, client)
     if options.pipelined:
         pg = lower_pipeline(trace, model.plan, token, microbatches=options.microbatches,
                             schedule=options.schedule, batch=model.batch,

@@ -11,6 +11,7 @@ __all__ = [
     "PlacementError",
     "MicrobatchError",
     "ArgumentError",
+    "MemoryLimitError",
     "DirectDispatchError",
     "UpstreamError",
     "CheckpointError",
@@ -56,6 +57,10 @@ class MicrobatchError(DagdiffError, ValueError):
 class ArgumentError(DagdiffError, ValueError, TypeError):
     """An argument or option of a dagdiff call is out of range or of the wrong kind (both a
     ValueError and a TypeError, so either ``except`` catches it)."""
+
+
+class MemoryLimitError(DagdiffError, ValueError):
+    """A step's predicted memory on a worker exceeds that worker's memory limit."""
 
 
 class DirectDispatchError(DagdiffError, RuntimeError):

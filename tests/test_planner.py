@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import dagdiff as dd
+from dagdiff.inspect.record import Recording, TaskRecord
 from dagdiff.plan.costs import LayerCost, StageProfile
 from dagdiff.plan.measure import hop_samples, stage_actions
 from dagdiff.plan.predict import timeline
-from dagdiff.inspect.record import Recording, TaskRecord
 from dagdiff.schedules import SCHEDULES, get_schedule, simulate
 from tests import models as M
 
@@ -133,9 +133,11 @@ def test_predict_peak_live_is_the_schedules(name: str, p: int, m: int) -> None:
     want = simulate(sched, p, m, stage_costs=prof.stage_costs(), comm=0.001)
     assert pred.makespan == pytest.approx(want.makespan)
     assert pred.spans == want.spans
-    # memory: the live microbatches' activations, plus params and their gradients
+    # memory: at least the parameters, their gradient sums and the live microbatches'
+    # activations at the peak (the exact figures by hand: test_memory.py)
     per_worker = sched.virtual_stages
-    assert pred.memory == tuple(1000 * n + 2 * 5000 * per_worker for n in pred.peak_live)
+    assert all(mem >= 2 * 5000 * per_worker + act
+               for mem, act in zip(pred.memory, pred.activation_bytes))
     assert "Prediction" in repr(pred) and "<table>" in pred._repr_html_()
 
 
@@ -146,7 +148,8 @@ def test_predict_scales_to_other_microbatch_counts() -> None:
     assert at8.makespan == pytest.approx(simulate(
         "gpipe", 2, 8, stage_costs={0: {"F": 0.005, "B": 0.01}, 1: {"F": 0.01, "B": 0.02}}
     ).makespan)
-    assert max(at8.activation_bytes) == 500 * 8       # 8 live microbatches of half size
+    # microbatches of half size: at the peak (the second backward's accumulation) 6 live
+    assert max(at8.activation_bytes) == 500 * 6 and max(at8.peak_live) == 8
 
 
 def test_best_schedule_ranks_and_respects_the_memory_limit() -> None:
@@ -156,11 +159,13 @@ def test_best_schedule_ranks_and_respects_the_memory_limit() -> None:
     assert names == {(n, m) for n in ("gpipe", "1f1b", "zb-h1") for m in (4, 8)}
     spans = [p.makespan for _, _, p in ranked]
     assert spans == sorted(spans)
-    # GPipe at m = 8 holds 8 microbatches' activations (scaled to m: 8 x 1000 bytes);
-    # 1F1B / ZB-H1 at most 2 (2 x 1000); parameters and gradients 10,000 on every worker
+    # GPipe at m = 8, by hand: parameters 5000, 8 live microbatches of 1000; the second
+    # backward's accumulation holds the first sum, its gradients and the new sum
+    # (3 x 5000) beside the 6 microbatches still live: 5000 + 15000 + 6000
     gpipe8 = next(p for n, m, p in ranked if (n, m) == ("gpipe", 8))
-    assert gpipe8.peak_memory == 8 * 1000 + 10_000
-    limit = 2 * 1000 + 10_000
+    assert gpipe8.memory == (26_000, 26_000)
+    limit = max(max(p.memory) for n, m, p in ranked if (n, m) in (("1f1b", 8), ("zb-h1", 8)))
+    assert gpipe8.peak_memory > limit
     kept = dd.best_schedule(prof, microbatches=(4, 8), memory_limit=limit)
     assert kept and all(p.peak_memory <= limit for _, _, p in kept)
     assert ("gpipe", 8) not in {(n, m) for n, m, _ in kept}

@@ -25,7 +25,8 @@ class CallSpec:
     statics: tuple[Any, ...]        # static leaf values (None where dynamic)
     diff: tuple[bool, ...]          # per dynamic leaf: differentiated?
     out_avals: tuple[jax.ShapeDtypeStruct, ...] = ()
-    remat: bool = False
+    remat: bool = False             # forward keeps no residuals; the VJP task recomputes
+    checkpoint: str = ""            # "selective": `jax.checkpoint` keeping dots (`core.remat`)
 
     @property
     def in_treedef(self) -> Any:
@@ -45,7 +46,14 @@ class CallSpec:
             object.__setattr__(self, k, v)
 
     def call(self, dyn: Sequence[Any]) -> Any:
-        """Run the layer function on dynamic leaves `dyn` (statics filled in)."""
+        """Run the layer function on dynamic leaves `dyn` (statics filled in), under
+        `jax.checkpoint` when the spec's policy is selective."""
+        if self.checkpoint:
+            policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+            return jax.checkpoint(self._call, policy=policy)(list(dyn))
+        return self._call(dyn)
+
+    def _call(self, dyn: Sequence[Any]) -> Any:
         it = iter(dyn)
         leaves = [next(it) if k == "d" else s for k, s in zip(self.kinds, self.statics)]
         args, kwargs = jax.tree_util.tree_unflatten(self.in_treedef, leaves)

@@ -12,14 +12,17 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, NamedTuple
 
 from dask.callbacks import Callback
+from dask.utils import format_bytes
 from distributed import get_task_stream
 
 from ..cluster.info import current_client, slot_names
 from ..core.keys import key_info
 from ..errors import ArgumentError, KeyFormatError
 from ..extras import available, require
+from ..runtime import memory
 from ..runtime.direct import compute_log
 from ..runtime.live import is_live_action
+from ..runtime.memory import MemorySample
 
 
 __all__ = ["TaskRecord", "Recording", "record", "BubbleFraction", "PHASE_COLORS"]
@@ -68,6 +71,26 @@ class Recording:
 
     tasks: list[TaskRecord] = field(default_factory=list)
     worker_names: dict[str, str] = field(default_factory=dict)
+    #: per worker address ("local" without a cluster): the bytes it held, sampled at each
+    #: layer task (`dagdiff.runtime.memory`), times on the tasks' axis
+    memory: dict[str, list[MemorySample]] = field(default_factory=dict)
+
+    def peak_memory(self) -> dict[str, int]:
+        """Per worker address: the most bytes it held during the recorded step(s) (JAX
+        device buffers + the NumPy arrays Dask and the programs hold), as sampled at
+        each layer task; see `dagdiff.runtime.memory` for what is counted."""
+        return {w: max(s.total for s in ss) for w, ss in self.memory.items() if ss}
+
+    def memory_table(self) -> str:
+        """Each worker's held bytes before the first task and at its peak, as text."""
+        rows = [f"{'worker':<28} {'before':>10} {'peak':>10} {'device':>10} {'host':>10}"]
+        for w in sorted(self.memory, key=lambda w: self.worker_names.get(w, w)):
+            ss = self.memory[w]
+            top = max(ss, key=lambda s: s.total)
+            name = self.worker_names.get(w, w)
+            rows.append(f"{name:<28} {format_bytes(ss[0].total):>10} {format_bytes(top.total):>10} "
+                        f"{format_bytes(top.device):>10} {format_bytes(top.host):>10}")
+        return "\n".join(rows)
 
     @property
     def workers(self) -> list[str]:
@@ -296,12 +319,17 @@ def record(client: Any = None) -> Iterator[Recording]:
                             f"got {type(c).__name__} {c!r}; e.g. dd.record(Client(address))")
     rec = Recording()
     if c is not None:
-        with get_task_stream(c) as ts:
-            yield rec
+        _sampling(c, memory.start)
+        try:
+            with get_task_stream(c) as ts:
+                yield rec
+        finally:
+            samples = _sampling(c, memory.stop)
         names = slot_names(c)
         rec.worker_names = dict(names)
         data = [d for d in ts.data if not is_live_action(d)]   # the programs' logs have them
-        _from_stream(rec, data, _worker_times(c, data))
+        base = _from_stream(rec, data, _worker_times(c, data))
+        rec.memory = {w: _shifted(ss, base) for w, ss in samples.items()}
         return
 
     lock = threading.Lock()
@@ -317,13 +345,33 @@ def record(client: Any = None) -> Iterator[Recording]:
             t, th = starts.pop(key, (time.perf_counter(), "main"))
             raw.append((key, th, t, time.perf_counter()))
 
-    with Callback(pretask=pretask, posttask=posttask):
-        yield rec
+    memory.start()
+    try:
+        with Callback(pretask=pretask, posttask=posttask):
+            yield rec
+    finally:
+        samples = memory.stop()
     threads = sorted({th for _, th, _, _ in raw})
     rec.worker_names = {th: f"thread{i}" for i, th in enumerate(threads)}
     base = min((t for _, _, t, _ in raw), default=0.0)
     for key, th, t, u in raw:
         rec.tasks.append(TaskRecord(str(key), th, t - base, u - base, *_classify(key)))
+    # samples carry wall-clock times, the tasks perf_counter ones
+    rec.memory = {"local": _shifted(samples, base + time.time() - time.perf_counter())}
+
+
+def _sampling(client: Any, fn: Any) -> dict[str, list[MemorySample]]:
+    """`fn` (memory.start / memory.stop) on every worker; {} from workers that are gone."""
+    try:
+        out = client.run(fn, on_error="ignore")
+    except Exception:                  # noqa: BLE001 - a worker went away
+        return {}
+    return {w: [MemorySample(*s) for s in ss] for w, ss in out.items()
+            if isinstance(ss, list)}
+
+
+def _shifted(samples: list[MemorySample], base: float) -> list[MemorySample]:
+    return [s._replace(time=s.time - base) for s in samples]
 
 
 def _worker_times(client: Any, data: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -353,8 +401,8 @@ def _client_of(cluster: Any) -> Any:
 
 
 def _from_stream(rec: Recording, data: list[dict[str, Any]],
-                 logs: dict[str, dict[str, Any]] | None = None) -> None:
-    """Rows of `rec` from task-stream records. A record comes when a task finishes and
+                 logs: dict[str, dict[str, Any]] | None = None) -> float:
+    """Rows of `rec` from task-stream records (returns the time base subtracted). A record comes when a task finishes and
     carries every start/stop its worker kept for that key, earlier runs of the same key
     too (a step computed a second time): each record adds only its own run, the last
     compute and the transfers after the compute before it. A direct-dispatch program's
@@ -390,10 +438,11 @@ def _from_stream(rec: Recording, data: list[dict[str, Any]],
                 rows.append((d["key"], d["worker"], ss["start"], ss["stop"], "transfer",
                              None, None, None))
     if not rows:
-        return
+        return 0.0
     base = min(r[2] for r in rows)
     for key, w, a, b, *info in rows:
         rec.tasks.append(TaskRecord(str(key), w, a - base, b - base, *info))
+    return base
 
 
 def _own_run(startstops: Any) -> list[dict[str, Any]]:

@@ -18,11 +18,12 @@ from ..errors import CycleError, PlacementError, ScheduleError
 from ..runtime.tasks import acc_task, host_view, mean_task, select_task, slice_task
 from ..runtime.taskspec import DataNode, Task, TaskRef
 from ..schedules import Schedule, simulate
+from ..schedules.memory import back_to_back
 from .lower import Lowered, lower, select
 
 
 __all__ = ["PipelineGraph", "lower_pipeline", "order_actions", "stage_workers",
-           "fused_microbatches"]
+           "fused_microbatches", "backward_order"]
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,21 @@ def lower_pipeline(trace: Trace, plan: BackwardPlan, token: str, *, microbatches
     fused = fused_microbatches(trace, schedule, m, stage_offset) if schedule is not None \
         else set()
     fuse_all = schedule is None and m == 1
-    prev_acc: dict[Any, str] = {}      # stage -> accumulator key of the latest microbatch
+    # each stage's sums run in the order its backwards do (the schedule's), so a
+    # microbatch's weight gradients are added as soon as they exist, not held until the
+    # microbatches before it in number have theirs (looped-bfs runs them the other way)
+    order = backward_order(trace, schedule, m, stage_offset) if schedule is not None else {}
+
+    def acc_key(st: Any, mb: int) -> str:
+        name = "grads" if st is None else f"grads_s{st}"
+        return make_key("acc", name, 0 if st is None else st, token, st, mb)
+
+    def acc_prev(st: Any, mb: int) -> str | None:
+        seq = order.get(st) or list(range(m))
+        i = seq.index(mb)
+        return acc_key(st, seq[i - 1]) if i else None
+
+    last_acc: dict[Any, str] = {}      # stage -> accumulator key of its last microbatch
     acc_pos: dict[int, int] = {}       # param node -> position in its stage's accumulator
     acc_of: dict[int, Any] = {}        # param node -> stage of its accumulator
     for mb in range(m):
@@ -112,12 +127,12 @@ def lower_pipeline(trace: Trace, plan: BackwardPlan, token: str, *, microbatches
                 layout.append((tuple(entries), gs.zeros))
                 acc_pos[pn] = len(layout) - 1
                 acc_of[pn] = st
-            name = "grads" if st is None else f"grads_s{st}"
-            k = make_key("acc", name, 0 if st is None else st, token, st, mb)
-            prev = prev_acc.get(st)
+            k = acc_key(st, mb)
+            prev = acc_prev(st, mb)
             low.add(k, Task(k, acc_task, tuple(layout), dev,
                             TaskRef(prev) if prev else None, *vals), st)
-            prev_acc[st] = k
+            seq = order.get(st) or list(range(m))
+            last_acc[st] = acc_key(st, seq[-1])
         loss_keys.append(select(low, trace, loss, "loss", token, mb))
         aux_keys.append(jax.tree_util.tree_map(
             lambda v: select(low, trace, v, "aux", token, mb)
@@ -129,7 +144,7 @@ def lower_pipeline(trace: Trace, plan: BackwardPlan, token: str, *, microbatches
     for pn, st in acc_of.items():
         node = trace.nodes[pn]
         k = make_key("grad", node.path or node.name, pn, token)
-        dsk[k] = Task(k, select_task, acc_pos[pn], TaskRef(prev_acc[st]))
+        dsk[k] = Task(k, select_task, acc_pos[pn], TaskRef(last_acc[st]))
         stage_of[k] = st
         grad_keys[pn] = k
     lnode = trace.nodes[loss.node]
@@ -151,6 +166,32 @@ def lower_pipeline(trace: Trace, plan: BackwardPlan, token: str, *, microbatches
     return PipelineGraph(dsk, stage_of, priority, loss_key, grad_keys, aux_keys)
 
 
+def backward_order(trace: Trace, schedule: Schedule, m: int, stage_offset: int = 0
+                   ) -> dict[int, list[int]]:
+    """Per global stage: its microbatches in the order the schedule runs their weight
+    gradients (B, or W with a split backward); {} when the schedule cannot run the model
+    (`order_actions` says why)."""
+    stages = {n.stage for n in trace.nodes if n.kind == "call"}
+    if None in stages or not stages:
+        return {}
+    v = schedule.virtual_stages
+    n_stages = max(stages) + 1 - stage_offset     # type: ignore[operator]
+    if n_stages % v:
+        return {}
+    try:
+        layout = schedule.checked_layout(n_stages // v)
+        table = schedule.table(n_stages // v, m)
+    except Exception:       # noqa: BLE001 - order_actions raises the error
+        return {}
+    kind = "W" if schedule.split_backward else "B"
+    out: dict[int, list[int]] = {}
+    for w, acts in enumerate(table):
+        for act in acts:
+            if act.kind == kind:
+                out.setdefault(stage_offset + layout[w][act.chunk], []).append(act.microbatch)
+    return {g: seq for g, seq in out.items() if sorted(seq) == list(range(m))}
+
+
 def fused_microbatches(trace: Trace, schedule: Schedule, m: int,
                        stage_offset: int = 0) -> set[tuple[int | None, int]]:
     """The (stage, microbatch) pairs whose backward `schedule` runs right after their
@@ -167,20 +208,10 @@ def fused_microbatches(trace: Trace, schedule: Schedule, m: int,
         return set()
     p = n_stages // v
     try:
-        layout = schedule.checked_layout(p)
-        table = schedule.table(p, m)
-    except Exception:       # a schedule that cannot run: order_actions raises the error
+        pairs = back_to_back(schedule, p, m)
+    except Exception:       # noqa: BLE001 - a schedule that cannot run: order_actions says why
         return set()
-    out: set[tuple[int | None, int]] = set()
-    for w, acts in enumerate(table):
-        for pos, act in enumerate(acts):
-            if act.kind != "F":
-                continue
-            nxt = acts[pos + 1] if pos + 1 < len(acts) else None
-            if nxt is not None and nxt.kind in "BI" and nxt.microbatch == act.microbatch \
-                    and nxt.chunk == act.chunk:
-                out.add((stage_offset + layout[w][act.chunk], act.microbatch))
-    return out
+    return {(stage_offset + g, mb) for g, mb in pairs}
 
 
 def stage_workers(schedule: Schedule, n_stages: int, replicas: int = 1) -> dict[int, int]:

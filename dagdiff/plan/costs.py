@@ -13,6 +13,8 @@ from distributed.comm.addressing import get_address_host
 
 from ..build import Build
 from ..core.auto import node_costs
+from ..core.footprint import recompute_shares, stage_footprints
+from ..core.remat import policy_of
 from ..core.tracer import Trace
 from ..errors import ArgumentError
 from ..inspect.record import Recording
@@ -27,6 +29,7 @@ from .measure import (
     stage_facts,
     work,
 )
+
 
 __all__ = ["KINDS", "StageProfile", "LayerCost", "Profile", "html_table", "fmt_bytes", "host_of"]
 
@@ -43,7 +46,12 @@ class StageProfile:
     cotangent bytes it sends to earlier stages; ``activation_bytes``: what one live
     microbatch keeps on its worker (the inputs and outputs of the stage's layer calls
     before fusion, parameters left out: an estimate from the traced avals);
-    ``param_bytes``: its parameters."""
+    ``param_bytes``: its parameters. ``kept``: per recomputation policy, the bytes one
+    live microbatch keeps from its forward to its backward (residuals read off the
+    fused stage's VJP, `dagdiff.core.footprint`), what `dd.predict(...).memory` adds up;
+    ``recompute``: per policy, the share of F its backward runs again (1 for "full",
+    XLA's cost estimate for "selective"); ``peak_memory``: the most bytes its worker
+    held in the profiled steps (measured, `Recording.peak_memory`)."""
 
     stage: int
     worker: str
@@ -57,10 +65,28 @@ class StageProfile:
     param_bytes: int
     layers: tuple[str, ...]
     samples: int
+    kept: tuple[tuple[str, int], ...] = ()
+    recompute: tuple[tuple[str, float], ...] = ()
+    peak_memory: int = 0
 
-    def cost(self, kind: str) -> float:
-        """Seconds of one action of `kind` (F, B, I or W)."""
-        return {"F": self.f, "B": self.b, "I": self.i, "W": self.w}[kind]
+    def cost(self, kind: str, policy: str = "none") -> float:
+        """Seconds of one action of `kind` (F, B, I or W), the backward's (B, I) with
+        the forward work `policy` runs again."""
+        base = {"F": self.f, "B": self.b, "I": self.i, "W": self.w}[kind]
+        if kind in ("B", "I") and policy != "none":
+            base += self.f * self.recompute_share(policy)
+        return base
+
+    def recompute_share(self, policy: str) -> float:
+        """The share of F that `policy` runs again in the backward."""
+        if policy == "none":
+            return 0.0
+        return dict(self.recompute).get(policy, 1.0 if policy == "full" else 0.0)
+
+    def kept_by(self, policy: str) -> int:
+        """Bytes one live microbatch keeps under `policy` (the traced activations when
+        the profile has no residual figures)."""
+        return dict(self.kept).get(policy, self.activation_bytes)
 
 
 @dataclass(frozen=True)
@@ -129,11 +155,19 @@ class Profile:
             raise ArgumentError(f"microbatches must be a positive int, got {microbatches!r}")
         return self.microbatches / microbatches
 
-    def stage_costs(self, microbatches: int | None = None) -> dict[int, dict[str, float]]:
+    def stage_costs(self, microbatches: int | None = None, remat: Any = "none"
+                    ) -> dict[int, dict[str, float]]:
         """Per global stage, seconds of one F, B, I and W action at `microbatches`
-        (default: the profiled count): what `simulate(stage_costs=...)` takes."""
+        (default: the profiled count), each stage's backward with what its policy in
+        `remat` recomputes: what `simulate(stage_costs=...)` takes."""
         k = self.scale(microbatches)
-        return {s.stage: {kind: s.cost(kind) * k for kind in KINDS} for s in self.stages}
+        return {s.stage: {kind: s.cost(kind, policy_of(remat, s.stage)) * k for kind in KINDS}
+                for s in self.stages}
+
+    @property
+    def peak_memory(self) -> dict[int, int]:
+        """Per stage: the most bytes its worker held in the profiled steps (measured)."""
+        return {s.stage: s.peak_memory for s in self.stages}
 
     def edge_bytes(self) -> dict[tuple[int, int], int]:
         """(src, dst) global stages -> bytes per microbatch sent along that edge
@@ -208,6 +242,12 @@ class Profile:
                                     "(microbatches=/schedule=); fix: build with a schedule")
         model = build.model
         facts = stage_facts(model.trace)
+        footprints = stage_footprints(model.trace)
+        shares = recompute_shares(model.trace)
+        peaks: dict[str, int] = {}
+        for rec, _ in runs:
+            for w, n in rec.peak_memory().items():
+                peaks[w] = max(peaks.get(w, 0), n)
         nstages = len(facts)
         if not nstages:
             raise ArgumentError("Profile.from_recording: the model has no staged layers; fix: "
@@ -273,7 +313,10 @@ class Profile:
                 activation_bytes=(raw_facts[g] if g < len(raw_facts) else fa)["activation_bytes"],
                 param_bytes=fa["param_bytes"],
                 layers=tuple(raw_layers.get(g) or fa["layers"]),
-                samples=len(samples[("F", g)])))
+                samples=len(samples[("F", g)]),
+                kept=footprints[g].kept if g in footprints else (),
+                recompute=(("full", 1.0), *sorted(shares.get(g, {}).items())),
+                peak_memory=peaks.get(str(build.targets.address(g)), 0)))
         if hops:
             latency = statistics.median(h for h, _ in hops)
             hop_bytes = int(statistics.median(n for _, n in hops))

@@ -4,16 +4,20 @@ prediction above the measured timeline."""
 from __future__ import annotations
 
 import inspect as _inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
+import dask
 from dask.utils import parse_bytes
 
+from ..core.remat import POLICIES, check_remat, policy_of
 from ..errors import ArgumentError, ScheduleError
 from ..extras import require
 from ..inspect.record import PHASE_COLORS, Recording
 from ..schedules import SCHEDULES, Schedule, get_schedule, simulate
+from ..schedules.memory import MemoryPeak, back_to_back, memory_peaks
 from .costs import Profile, fmt_bytes, html_table
+
 
 __all__ = ["Prediction", "predict", "best_schedule", "timeline"]
 
@@ -25,12 +29,15 @@ class Prediction:
     ``makespan`` (s, first action to last), ``bubble_fraction`` (1 - busy / (p x
     makespan)), per worker ``busy`` seconds, ``peak_live`` forward states alive at once
     (`Schedule.peak_live`), ``activation_bytes`` at that peak (the bytes of the live
-    microbatches' stages), ``param_bytes`` (its stages' parameters, plus as much again
-    for their gradient accumulators in ``memory``), ``memory`` = activations + 2 x
-    params. ``comm``: mean seconds of one cross-worker hop, ``hops``: how many a step
-    has; ``layout``: per worker its global stages; ``spans``: per worker (action, start,
-    end), as `simulate` gives them; ``overhead``: the profile's step overhead (see
-    `step_time`)."""
+    microbatches keep then, under their stages' policies), ``param_bytes`` (its stages'
+    parameters), ``memory``: the most bytes it holds at any point of the step
+    (parameters, live microbatches, weight gradients and their sums, worked out over the
+    schedule's order by `dagdiff.schedules.memory`), ``peak_at``: the action where that
+    is. ``remat``: the policy of each stage it assumes ({stage: "none" | "selective" |
+    "full"}; `dd.value_and_grad(..., remat=pred.remat)` runs it). ``comm``: mean seconds
+    of one cross-worker hop, ``hops``: how many a step has; ``layout``: per worker its
+    global stages; ``spans``: per worker (action, start, end), as `simulate` gives them;
+    ``overhead``: the profile's step overhead (see `step_time`)."""
 
     schedule: str
     virtual_stages: int
@@ -48,6 +55,8 @@ class Prediction:
     layout: tuple[tuple[int, ...], ...]
     spans: tuple[tuple[tuple[str, float, float], ...], ...]
     overhead: float = 0.0
+    remat: dict[int, str] = field(default_factory=dict)
+    peak_at: tuple[str, ...] = ()
 
     @property
     def step_time(self) -> float:
@@ -68,6 +77,10 @@ class Prediction:
 
     def _title(self) -> str:
         v = f" (v={self.virtual_stages})" if self.virtual_stages > 1 else ""
+        policies = set(self.remat.values())
+        if policies - {"none"}:
+            v += (f", remat {policies.pop()}" if len(policies) == 1 else
+                  ", remat " + ",".join(f"{g}:{r}" for g, r in sorted(self.remat.items())))
         return (f"{self.schedule}{v} on {self.workers} workers, m={self.microbatches}: "
                 f"makespan {self.makespan * 1e3:.1f} ms, bubble {self.bubble_fraction:.1%}, "
                 f"{self.hops} hops of {self.comm * 1e3:.2f} ms")
@@ -116,7 +129,7 @@ def _fit(sched: Schedule, profile: Profile, workers: int | None, where: str) -> 
 
 
 def predict(schedule: str | Schedule, profile: Profile, microbatches: int | None = None, *,
-            workers: int | None = None) -> Prediction:
+            workers: int | None = None, remat: Any = None) -> Prediction:
     """Predict one step of `schedule` with `microbatches` (default: the profiled count) on
     the profiled model and cluster: `simulate` on the profile's per-stage F/B/I/W times
     and per-edge hop times (latency, plus bytes over the bandwidth where measured),
@@ -124,32 +137,22 @@ def predict(schedule: str | Schedule, profile: Profile, microbatches: int | None
     memory per worker from the schedule's order; workers on one host slow each other
     down as the profile's fitted ``contention`` says. `workers` defaults to the profile's; the
     schedule must lay out exactly the profile's stages (p x virtual stages), else
-    ScheduleError."""
+    ScheduleError. `remat` ("none", "selective", "full" or {stage: policy}, as
+    `dd.value_and_grad` takes it): each stage keeps what its policy keeps, and its
+    backward runs again what the policy recomputes."""
     prof = _check_profile(profile, "dd.predict")
     sched = get_schedule(schedule)
     m = prof.microbatches if microbatches is None else microbatches
     p = _fit(sched, prof, workers, "dd.predict")
     sched.validate(p, m)
-    scale = prof.scale(m)
+    policy = check_remat("dd.predict", remat)
+    per_stage = {s.stage: policy_of(policy, s.stage) for s in prof.stages}
     edges = prof.edge_comm(m)
-    sim = simulate(sched, p, m, stage_costs=prof.stage_costs(m), edge_comm=edges,
+    sim = simulate(sched, p, m, stage_costs=prof.stage_costs(m, policy), edge_comm=edges,
                    contention=prof.contention, hosts=_hosts(prof, p))
     layout = sched.checked_layout(p)
-    act = {s.stage: s.activation_bytes * scale for s in prof.stages}
     params = [sum(prof.stages[g].param_bytes for g in stages) for stages in layout]
-    peaks, peak_bytes = [], []
-    for w, order in enumerate(sched.table(p, m)):
-        live = peak = 0
-        held = top = 0.0
-        for a in order:
-            g = layout[w][a.chunk]
-            if a.kind == "F":
-                live, held = live + 1, held + act[g]
-            elif a.kind in ("B", "W"):
-                live, held = live - 1, held - act[g]
-            peak, top = max(peak, live), max(top, held)
-        peaks.append(peak)
-        peak_bytes.append(int(round(top)))
+    peaks = _memory(prof, sched, p, m, per_stage)
     worker_of = {g: w for w, stages in enumerate(layout) for g in stages}
     cross = [edges[(g - 1, g)] for g in range(1, prof.num_stages)
              if worker_of[g - 1] != worker_of[g]]
@@ -158,10 +161,26 @@ def predict(schedule: str | Schedule, profile: Profile, microbatches: int | None
     return Prediction(
         schedule=sched.name, virtual_stages=sched.virtual_stages, workers=p, microbatches=m,
         makespan=sim.makespan, bubble_fraction=sim.bubble_fraction, busy=sim.busy,
-        peak_live=tuple(peaks), activation_bytes=tuple(peak_bytes),
-        param_bytes=tuple(params), memory=tuple(a + 2 * b for a, b in zip(peak_bytes, params)),
+        peak_live=tuple(sched.peak_live(p, m)),
+        activation_bytes=tuple(pk.activations for pk in peaks),
+        param_bytes=tuple(params), memory=tuple(pk.bytes for pk in peaks),
         comm=sum(cross) / len(cross) if cross else 0.0, hops=len(cross) * m,
-        layout=tuple(tuple(s) for s in layout), spans=sim.spans, overhead=prof.step_overhead)
+        layout=tuple(tuple(s) for s in layout), spans=sim.spans, overhead=prof.step_overhead,
+        remat=per_stage, peak_at=tuple(pk.at for pk in peaks))
+
+
+def _memory(prof: Profile, sched: Schedule, p: int, m: int, remat: dict[int, str]
+            ) -> list[MemoryPeak]:
+    """Per worker: the step's predicted high point (`dagdiff.schedules.memory`), with
+    the loss's stage (the last) running a forward and its backward as one where the
+    schedule puts them back to back, as a step does."""
+    scale = prof.scale(m)
+    kept = {s.stage: s.kept_by(remat.get(s.stage, "none")) * scale for s in prof.stages}
+    params = {s.stage: s.param_bytes for s in prof.stages}
+    last = prof.num_stages - 1
+    fused = ({(g, mb) for g, mb in back_to_back(sched, p, m) if g == last}
+             if dask.config.get("dagdiff.fuse-loss-backward", True) else set())
+    return memory_peaks(sched, p, m, params, kept, fused)
 
 
 def _hosts(prof: Profile, p: int) -> list[Any] | None:
@@ -178,7 +197,7 @@ def _takes_virtual_stages(name: str) -> bool:
 
 def best_schedule(profile: Profile, microbatches: int | Iterable[int] | None = None, *,
                   memory_limit: int | str | None = None, workers: int | None = None,
-                  schedules: Sequence[str] | None = None
+                  schedules: Sequence[str] | None = None, remat: Any = "auto"
                   ) -> list[tuple[str, int, Prediction]]:
     """Rank schedules for the profiled model and cluster: every built-in schedule (or
     those named in `schedules`) whose layout fits the profile's stages on `workers`
@@ -187,8 +206,17 @@ def best_schedule(profile: Profile, microbatches: int | Iterable[int] | None = N
     schedule accepts, whose predicted `memory` stays within `memory_limit` (bytes per
     worker, an int or a string such as "2GB") on every worker. Returns (schedule name,
     microbatches, Prediction), shortest predicted makespan first (less memory first on
-    ties); raises ArgumentError when nothing fits, saying why."""
+    ties); raises ArgumentError when nothing fits, saying why.
+
+    ``remat="auto"`` (the default) also chooses a recomputation policy per stage where
+    a schedule does not fit without one: stages recompute one step at a time ("none"
+    -> "selective" -> "full"), each time on the stage that frees the most bytes on the
+    worker furthest over the limit per second it adds, until every worker fits; the
+    Prediction's ``remat`` says what it assumes. A policy (or {stage: policy}) instead
+    ranks under that policy only."""
     prof = _check_profile(profile, "dd.best_schedule")
+    if remat != "auto":
+        check_remat("dd.best_schedule", remat)
     ms = ((prof.microbatches,) if microbatches is None
           else (microbatches,) if isinstance(microbatches, int) else tuple(microbatches))
     if not ms or not all(isinstance(m, int) and not isinstance(m, bool) and m >= 1 for m in ms):
@@ -216,13 +244,17 @@ def best_schedule(profile: Profile, microbatches: int | Iterable[int] | None = N
             continue
         for m in ms:
             try:
-                pred = predict(sched, prof, m, workers=p)
+                pred = predict(sched, prof, m, workers=p,
+                               remat=None if remat == "auto" else remat)
             except ScheduleError as e:
                 why.append(f"{name} m={m}: {str(e).split('; fix')[0]}")
                 continue
+            if limit is not None and pred.peak_memory > limit and remat == "auto":
+                pred = _fit_memory(sched, prof, m, p, limit, pred)
             if limit is not None and pred.peak_memory > limit:
                 why.append(f"{name} m={m}: needs {fmt_bytes(pred.peak_memory)} > "
-                           f"{fmt_bytes(limit)} on a worker")
+                           f"{fmt_bytes(limit)} on a worker" +
+                           (" even with full recomputation" if remat == "auto" else ""))
                 continue
             found.append((name, m, pred))
     if not found:
@@ -232,6 +264,46 @@ def best_schedule(profile: Profile, microbatches: int | Iterable[int] | None = N
             + "; fix: raise memory_limit, try more microbatches, or profile a model with "
             "another stage count")
     return sorted(found, key=lambda r: (r[2].makespan, r[2].peak_memory, r[1]))
+
+
+def _fit_memory(sched: Schedule, prof: Profile, m: int, p: int, limit: int,
+                pred: Prediction) -> Prediction:
+    """The fastest prediction found that fits `limit` on every worker, stages moved up
+    the policies one at a time (see `best_schedule`); `pred` (no recomputation) when
+    none fits, and the lowest-memory one found."""
+    policy = dict(pred.remat)
+    best_fit: Prediction | None = None
+    tried = [pred]
+    while True:
+        over = max(range(p), key=lambda w: pred.memory[w])
+        options = []
+        for g, current in policy.items():
+            i = POLICIES_UP.index(current)
+            if i + 1 == len(POLICIES_UP):
+                continue
+            trial = predict(sched, prof, m, workers=p,
+                            remat={**policy, g: POLICIES_UP[i + 1]})
+            tried.append(trial)
+            freed = pred.memory[over] - trial.memory[over]
+            cost = max(trial.makespan - pred.makespan, 1e-9)
+            if freed > 0:
+                options.append((freed / cost, freed, g, trial))
+        if not options:
+            break
+        _, _, g, pred = max(options, key=lambda o: (o[0], o[1]))
+        policy = dict(pred.remat)
+        if pred.peak_memory <= limit:
+            best_fit = pred
+            break
+    fits = [t for t in tried if t.peak_memory <= limit]
+    if fits:
+        return min(fits, key=lambda t: (t.makespan, t.peak_memory))
+    return best_fit or min(tried, key=lambda t: t.peak_memory)
+
+
+#: policies from keeping the most to keeping the least
+POLICIES_UP = ("none", "selective", "full")
+assert set(POLICIES_UP) == set(POLICIES)
 
 
 def timeline(prediction: Prediction, recording: Recording | None = None,

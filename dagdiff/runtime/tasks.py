@@ -10,6 +10,7 @@ import numpy as np
 from ..core.custom import check_cotangents, fwd_result
 from ..core.spec import CallSpec
 from .compiled import compiled, note_remat, track_live
+from .memory import sample as sample_memory
 from .taskspec import TaskRef
 
 
@@ -126,7 +127,9 @@ def fwd_task(spec: CallSpec, srcs: tuple[int, ...], dev: int | None, *vals: Any,
         c = compiled(spec)
         d, nd = _split(spec, srcs, vals, _device(dev))
         if spec.remat or not d or not vjp:
-            return FwdResult(jax.block_until_ready(c.forward(d, nd)), None, tag=tag)
+            res = FwdResult(jax.block_until_ready(c.forward(d, nd)), None, tag=tag)
+            sample_memory()
+            return res
         if seed is not None:
             parts = c.fwd_grad_split(d, nd, list(seed), *split) if split else None
             if parts is not None:
@@ -140,13 +143,16 @@ def fwd_task(spec: CallSpec, srcs: tuple[int, ...], dev: int | None, *vals: Any,
                 out, every = jax.block_until_ready(c.fwd_grad(d, nd, list(seed)))
                 res = FwdResult(out, None, tag=tag, grads=every)
             track_live(tag, +1)
+            sample_memory()
             return res
         out, pb = jax.block_until_ready(c.fwd_vjp(d, nd))   # the task ends when its work does
     except Exception as e:
         _note(e, "forward", spec, tag, vals)
         raise
     track_live(tag, +1)
-    return FwdResult(out, pb, tag=tag)
+    res = FwdResult(out, pb, tag=tag)
+    sample_memory()
+    return res
 
 
 def _note(error: BaseException, what: str, spec: CallSpec, tag: Any, vals: Sequence[Any]) -> None:
@@ -188,6 +194,7 @@ def vjp_task(spec: CallSpec, srcs: tuple[int, ...], wrt: tuple[int, ...],
     except Exception as e:
         _note(e, "VJP", spec, getattr(fwd, "tag", None), vals)
         raise
+    sample_memory()
     if release:
         fwd.carry = None
         if fwd.pullback is not None or fwd.grads is not None:
@@ -269,6 +276,7 @@ def sum_task(srcs: tuple[int, ...], zeros: Any, dev: int | None, *vals: Any,
     total = parts[0]
     for p in parts[1:]:
         total = total + p
+    sample_memory()
     return total
 
 
@@ -307,6 +315,7 @@ def acc_task(layout: tuple[Any, ...], dev: int | None, prev: Any, *vals: Any,
         for p in parts[1:]:
             total = total + p
         out.append(total)
+    sample_memory()
     return tuple(out)
 
 

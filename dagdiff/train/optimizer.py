@@ -8,6 +8,8 @@ from typing import Any
 import jax
 import optax
 
+from ..runtime.memory import sample as sample_memory
+
 
 __all__ = ["ScaledOptimizer", "update_task"]
 
@@ -50,4 +52,6 @@ def update_task(optimizer: ScaledOptimizer, n: int, state: Any, *grads: Any,
     """One optax step for one stage's parameter leaves: (new leaves..., new opt state)."""
     params, opt_state = list(state[:n]), state[n]
     new, new_state = optimizer.compiled()(params, opt_state, list(grads))
-    return (*jax.block_until_ready(new), new_state)
+    out = (*jax.block_until_ready(new), new_state)
+    sample_memory()          # old and new state both held: a stage's high point
+    return out

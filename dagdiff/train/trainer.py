@@ -52,6 +52,7 @@ from .restoring import Restoring
 from .state import TrainState, batch_token, state_identity
 from .step_graph import StepGraph, StepModel, stage_address
 
+
 __all__ = ["Trainer", "TrainState"]
 
 log = logging.getLogger(__name__)
@@ -64,8 +65,9 @@ class Trainer(StepGraph, Restoring):
     `dd.value_and_grad`); ``replicas=r`` trains r copies on disjoint worker groups
     (replica i's stage s runs on slot ``i * p + s``), each on 1/r of the batch, with
     gradients all-reduced before the update. ``client=None`` uses the current
-    distributed client, or else runs on the local threads scheduler. ``dispatch``: as in
-    `dd.value_and_grad` (pipelined steps on a cluster default to "direct").
+    distributed client, or else runs on the local threads scheduler. ``dispatch`` and
+    ``remat`` (what each stage keeps for its backward): as in `dd.value_and_grad`
+    (pipelined steps on a cluster default to "direct").
 
     ``recover=True`` (the default) makes training survive a lost worker: every state has
     a second copy on another worker (another replica's; with one replica, every
@@ -82,7 +84,8 @@ class Trainer(StepGraph, Restoring):
                  stages: int | str | Any = None, placement: Mapping[int, Any] | None = None,
                  fuse: bool | None = None, batch_argnums: Sequence[int] | None = None,
                  batch_axis: int = 0, dispatch: str | None = None, recover: bool = True,
-                 max_retries: int = 3, copy_every: int = 10) -> None:
+                 max_retries: int = 3, copy_every: int = 10,
+                 remat: str | Mapping[int, str] | None = None) -> None:
         for label, value in (("replicas", replicas), ("microbatches", microbatches)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ArgumentError(f"Trainer: {label} must be a positive int, got {value!r}")
@@ -96,7 +99,7 @@ class Trainer(StepGraph, Restoring):
         self.options = Options.make("dd.Trainer", argnums=0, microbatches=microbatches,
                                     schedule=schedule, batch_argnums=batch_argnums,
                                     batch_axis=batch_axis, stages=stages, placement=placement,
-                                    fuse=fuse, dispatch=dispatch)
+                                    fuse=fuse, dispatch=dispatch, remat=remat)
         if not isinstance(max_retries, int) or isinstance(max_retries, bool) or max_retries < 0:
             raise ArgumentError(f"Trainer: max_retries must be an int >= 0, got {max_retries!r}")
         if not isinstance(copy_every, int) or isinstance(copy_every, bool) or copy_every < 1:

@@ -1,0 +1,103 @@
+"""The bytes each worker holds over a schedule's order: its peak, from per-stage sizes.
+
+Pure arithmetic on a schedule's table (no JAX): what `dd.predict(...).memory` reports and
+what a build checks against a worker's memory limit. Per action of a worker, in order:
+
+- F of stage g: its live microbatch keeps ``kept[g]`` until its backward. A forward
+  fused with its backward (the loss's stage, F then B at once) keeps nothing but the
+  gradients it computed (``params[g]``, held until its B hands them on).
+- B (or W) of stage g: the microbatch's weight gradients (``params[g]``) appear and
+  its ``kept[g]`` goes (the pullback is dropped); then the accumulator adds the
+  gradients to the previous sum (a new sum while the old one is still held), and the
+  gradients and the old sum go. I (a split
+  backward's input part) frees nothing: its W still needs the residuals.
+
+A worker starts holding its stages' parameters. The peak is the largest total at any
+of these points: where each task has its result and its inputs are still held.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Collection, Mapping
+
+from .base import Schedule
+
+
+__all__ = ["MemoryPeak", "memory_peaks", "back_to_back"]
+
+
+@dataclass(frozen=True)
+class MemoryPeak:
+    """One worker's predicted high point: ``bytes`` held, ``live`` microbatches whose
+    forward state it holds then, ``activations`` (the bytes those keep), and ``at``
+    the action (e.g. ``"B3 s0"``, ``"acc3 s0"`` for the accumulation after it)."""
+
+    bytes: int
+    live: int
+    at: str
+    activations: int = 0
+
+
+def memory_peaks(schedule: Schedule, p: int, m: int, params: Mapping[int, float],
+                 kept: Mapping[int, float], fused: Collection[tuple[int, int]] = ()
+                 ) -> list[MemoryPeak]:
+    """Per worker of `schedule` on `p` workers with `m` microbatches: its `MemoryPeak`.
+    `params[g]` / `kept[g]`: bytes of stage g's parameters and of what one live
+    microbatch keeps (`dagdiff.core.footprint`); `fused`: (stage, microbatch) pairs
+    whose forward runs with its backward."""
+    layout = schedule.checked_layout(p)
+    out = []
+    for w, order in enumerate(schedule.table(p, m)):
+        held = float(sum(params.get(g, 0) for g in layout[w]))
+        summed: set[int] = set()        # stages whose accumulator exists
+        live, acts = 0, 0.0
+        best = MemoryPeak(int(round(held)), 0, "start")
+
+        def note(total: float, label: str) -> None:
+            nonlocal best
+            if total > best.bytes:
+                best = MemoryPeak(int(round(total)), live, label, int(round(acts)))
+
+        for a in order:
+            g = layout[w][a.chunk]
+            label = f"{a.kind}{a.microbatch} s{g}"
+            pg, kg = float(params.get(g, 0)), float(kept.get(g, 0))
+            is_fused = (g, a.microbatch) in fused
+            if a.kind == "F":
+                live += 1
+                if is_fused:
+                    note(held + kg + pg, label)      # inside the fused call
+                    held += pg
+                else:
+                    held, acts = held + kg, acts + kg
+                    note(held, label)
+            elif a.kind == "I":
+                note(held, label)
+            else:                                   # B, W: weight gradients, accumulate
+                if not is_fused:                    # a fused forward holds them already
+                    held += pg
+                note(held, label)
+                if not is_fused:                    # its pullback (residuals) is let go
+                    held, acts = held - kg, acts - kg
+                live -= 1
+                if g in summed:                     # a new sum beside the old one
+                    note(held + pg, f"acc{a.microbatch} s{g}")
+                    held -= pg                      # the gradients and the old sum go
+                else:
+                    summed.add(g)                   # the first sum is the gradients
+        out.append(best)
+    return out
+
+
+def back_to_back(schedule: Schedule, p: int, m: int) -> set[tuple[int, int]]:
+    """The (global stage, microbatch) pairs whose backward (B, or a split backward's I)
+    `schedule` runs right after their forward on the same worker: where the loss's
+    stage can run both as one call."""
+    layout = schedule.checked_layout(p)
+    out: set[tuple[int, int]] = set()
+    for w, acts in enumerate(schedule.table(p, m)):
+        for act, nxt in zip(acts, acts[1:]):
+            if act.kind == "F" and nxt.kind in "BI" and nxt.microbatch == act.microbatch \
+                    and nxt.chunk == act.chunk:
+                out.add((layout[w][act.chunk], act.microbatch))
+    return out

@@ -1,0 +1,278 @@
+"""Memory as a planned resource: recomputation policies per stage (gradients equal
+jax.value_and_grad's), residual bytes against hand counts, the memory model by hand,
+measured peaks on a cluster against the prediction, the planner choosing policies under
+a limit, and a step refused before it runs out of memory."""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from distributed import Client
+
+import dagdiff as dd
+from dagdiff.build import Options, trace_model
+from dagdiff.core.footprint import stage_footprints
+from dagdiff.lowering.memory import loss_fused, step_memory
+from dagdiff.plan.costs import StageProfile
+from dagdiff.schedules import get_schedule
+from dagdiff.schedules.memory import memory_peaks
+from tests import models as M
+
+KEY = jax.random.PRNGKey(0)
+
+
+def staged(n_stages: int, n_layers: int) -> Any:
+    def loss(params: Any, x: Any, t: Any) -> Any:
+        h = x
+        for i, p in enumerate(params):
+            with dd.stage(i * n_stages // n_layers):
+                h = M.dense(p, h)
+        with dd.stage(n_stages - 1):
+            return M.mse(h, t)
+    return loss
+
+
+def mlp(width: int, batch: int, layers: int) -> tuple[Any, Any, Any]:
+    params = M.init_dense(KEY, [width] * (layers + 1))
+    x = jax.random.normal(jax.random.fold_in(KEY, 1), (batch, width))
+    t = jax.random.normal(jax.random.fold_in(KEY, 2), (batch, width))
+    return params, x, t
+
+
+# ------------------------------------------------------------------ policies: gradients
+
+@pytest.mark.parametrize("remat", ["none", "selective", "full", {0: "full", 1: "selective"},
+                                   {1: "full"}])
+@pytest.mark.parametrize("pipe", [{}, {"microbatches": 4, "schedule": "1f1b"},
+                                  {"microbatches": 4, "schedule": "zb-h1"}])
+def test_policies_give_jax_gradients(remat: Any, pipe: dict[str, Any]) -> None:
+    loss = staged(2, 4)
+    args = mlp(8, 16, 4)
+    dd.reset_remat_count()
+    got_l, got_g = dd.value_and_grad(loss, remat=remat, **pipe).compute(*args)
+    M.assert_matches_jax(loss, args, got_l, got_g)
+    assert dd.remat_count() == 0        # recomputing on purpose is not a moved pullback
+
+
+def test_policy_changes_the_keys_and_bad_policies_say_so() -> None:
+    loss = staged(2, 4)
+    args = mlp(8, 16, 4)
+    a = dd.value_and_grad(loss, microbatches=2, schedule="1f1b")(*args)[0]
+    b = dd.value_and_grad(loss, microbatches=2, schedule="1f1b", remat="full")(*args)[0]
+    assert a.key != b.key
+    for bad, match in [("some", "remat must be one of 'none', 'full', 'selective'"),
+                       ({"a": "full"}, "keys of remat are stages"),
+                       ({0: "half"}, r"remat\[0\] must be one of"), (3, "got int 3")]:
+        with pytest.raises(dd.ArgumentError, match=match):
+            dd.value_and_grad(loss, remat=bad)
+        with pytest.raises(dd.ArgumentError, match=match):
+            dd.Trainer(loss, optax.sgd(0.1), remat=bad)
+
+
+def test_trainer_with_a_policy_per_stage_equals_optax() -> None:
+    loss = staged(2, 4)
+    params, x, t = mlp(8, 16, 4)
+    batches = [(x, t)] * 3
+    opt = optax.sgd(0.1)
+    trainer = dd.Trainer(loss, opt, microbatches=4, schedule="1f1b",
+                         remat={0: "full", 1: "selective"})
+    state = trainer.init(params)
+    for b in batches:
+        state, _ = trainer.step(state, *b)
+    want, _ = M.optax_reference(loss, opt, params, batches)
+    M.close(trainer.params(state), want)
+
+
+# ------------------------------------------------------------------ bytes by hand
+
+def test_residual_bytes_by_hand() -> None:
+    """One tanh dense layer per stage, microbatch (8, 16) float32 = 512 bytes per
+    activation. A stage keeps its input and output (1024) and: without recomputation
+    tanh's output and the product (JAX's VJP of tanh and of the sum keep both: 1024);
+    selective, the product only (512); full, nothing."""
+    loss = staged(2, 2)
+    params, x, t = mlp(16, 32, 2)
+    m = trace_model(loss, (params, x, t), {}, Options.make("t", microbatches=4,
+                                                           schedule="1f1b"), None)
+    fps = stage_footprints(m.trace)
+    act = 8 * 16 * 4
+    assert fps[0].params == (16 * 16 + 16) * 4
+    assert dict(fps[0].kept) == {"none": 4 * act, "selective": 3 * act, "full": 2 * act}
+    assert fps[0].output == act and fps[1].output == 0
+    # the last stage (dense and the loss fused into one call) keeps its input, the
+    # target microbatch and the loss scalar when it recomputes
+    assert dict(fps[1].kept)["full"] == 2 * act + 4
+
+
+def test_memory_model_by_hand() -> None:
+    """1F1B, 2 workers, 4 microbatches, parameters P = 5000 and 1000 bytes kept per live
+    microbatch on each stage; the loss's stage runs F and B as one call."""
+    sched = get_schedule("1f1b")
+    params, kept = {0: 5000, 1: 5000}, {0: 1000, 1: 1000}
+    w0, w1 = memory_peaks(sched, 2, 4, params, kept, fused={(1, mb) for mb in range(4)})
+    # worker 0 runs F0 F1 B0 F2 B1 ...: at B1's accumulation it holds P, the first sum,
+    # B1's gradients and the new sum (4 P) and F2's microbatch: 21000
+    assert (w0.bytes, w0.at, w0.live) == (21_000, "acc1 s0", 1)
+    # worker 1 never keeps a microbatch; its fused forwards hold their gradients
+    assert (w1.bytes, w1.at, w1.live) == (20_000, "acc1 s1", 0)
+    # GPipe keeps all four forwards before the first backward
+    g0, _ = memory_peaks(get_schedule("gpipe"), 2, 4, params, kept)
+    assert g0.bytes == 5000 + 15_000 + 2000
+
+
+# ------------------------------------------------------------------ measured on a cluster
+
+def test_record_measures_a_known_buffer() -> None:
+    """Without a cluster: the recording's 'local' samples see a 16 MiB output."""
+    @dd.layer
+    def big(p: Any, x: Any) -> Any:
+        return jnp.broadcast_to(jnp.tanh(x @ p["w"]).sum(), (2048, 2048))
+
+    @dd.layer
+    def total(y: Any) -> Any:
+        return y.mean()
+
+    params = {"w": jnp.ones((4, 4))}
+    with dd.record() as rec:
+        dd.value_and_grad(lambda p, x: total(big(p, x))).compute(params, jnp.ones((2, 4)))
+    peak = rec.peak_memory()
+    assert set(peak) == {"local"}
+    assert peak["local"] >= 2048 * 2048 * 4
+    assert "peak" in rec.memory_table()
+
+
+@pytest.mark.slow
+def test_measured_peaks_match_the_prediction_and_remat_lowers_them(client2: Any) -> None:
+    """Measured (dd.record) against predicted (the same model's footprint over the
+    schedule) per worker, GPipe and 1F1B, no / selective / full recomputation."""
+    loss = staged(2, 4)
+    args = mlp(256, 256, 4)
+    measured: dict[tuple[str, str], dict[str, int]] = {}
+    for name in ("gpipe", "1f1b"):
+        sched = get_schedule(name)
+        for remat in ("none", "selective", "full"):
+            step = dd.value_and_grad(loss, microbatches=8, schedule=sched, remat=remat)
+            step.compute(*args, client=client2)         # compile
+            with dd.record(client2) as rec:
+                got_l, got_g = step.compute(*args, client=client2)
+            M.assert_matches_jax(loss, args, got_l, got_g)
+            peaks = rec.peak_memory()
+            slots = {rec.worker_names[w]: n for w, n in peaks.items()}
+            measured[(name, remat)] = slots
+            model = trace_model(loss, args, {}, Options.make(
+                "t", microbatches=8, schedule=sched, remat=remat), None)
+            fps = stage_footprints(model.trace, current=remat)
+            pred = step_memory(fps, sched, 2, 8, remat,
+                               loss_fused(model.trace, sched, 8, 1))
+            for w in range(2):
+                got = slots[f"slot{w}"]
+                assert abs(pred[w].bytes - got) <= 0.10 * got, (name, remat, w, pred, slots)
+    # GPipe keeps 8 microbatches: recomputing keeps measurably less on the first stage
+    assert measured[("gpipe", "full")]["slot0"] < measured[("gpipe", "selective")]["slot0"] \
+        < measured[("gpipe", "none")]["slot0"]
+    assert measured[("1f1b", "none")]["slot0"] < measured[("gpipe", "none")]["slot0"]
+
+
+def test_accumulation_follows_the_schedules_backward_order() -> None:
+    """looped-bfs runs a stage's backwards from the last microbatch down: its gradient
+    sums chain in that order, so no microbatch's gradients wait for others."""
+    sched = get_schedule("looped-bfs", virtual_stages=2)
+    loss = staged(4, 4)
+    args = mlp(8, 16, 4)
+    graph = dd.trace(loss, microbatches=4, schedule=sched)(*args)
+    dsk = graph.dsk
+    from dagdiff.core.keys import key_info
+    from dagdiff.runtime.taskspec import TaskRef
+
+    chain: dict[int, list[tuple[int, int | None]]] = {}
+    for k, task in dict(dsk).items():
+        if isinstance(k, str) and k.startswith("acc_"):
+            info = key_info(k)
+            prev = task.args[2]
+            chain.setdefault(info.stage, []).append(
+                (info.microbatch, key_info(prev.key).microbatch
+                 if isinstance(prev, TaskRef) else None))
+    layout = sched.checked_layout(2)
+    for w, acts in enumerate(sched.table(2, 4)):
+        for c, g in enumerate(layout[w]):
+            order = [a.microbatch for a in acts if a.kind == "B" and a.chunk == c]
+            want = {(mb, order[i - 1] if i else None) for i, mb in enumerate(order)}
+            assert set(chain[g]) == want, (g, order, chain[g])
+
+
+# ------------------------------------------------------------------ planning under a limit
+
+def profile_with_policies(m: int = 8) -> dd.Profile:
+    """Two stages measured by hand: F = 10 ms, B = 20 ms; 1 MB of parameters; a live
+    microbatch keeps 1 MB without recomputation, 0.5 MB selective (recomputing 10% of
+    F), 0.1 MB full (recomputing F)."""
+    stages = tuple(StageProfile(
+        stage=g, worker=f"slot{g}", f=0.01, b=0.02, i=0.01, w=0.01, send_forward=1000,
+        send_backward=1000, activation_bytes=10**6, param_bytes=10**6, layers=("dense",),
+        samples=m, kept=(("none", 10**6), ("selective", 5 * 10**5), ("full", 10**5)),
+        recompute=(("full", 1.0), ("selective", 0.1))) for g in range(2))
+    return dd.Profile(stages=stages, workers=2, microbatches=m, hop_latency=0.0,
+                      hop_bytes=1000, hop_samples=1, bandwidth=None, layers=(),
+                      schedules=("1f1b",), edges=((0, 1, 1000), (1, 0, 1000)))
+
+
+def test_best_schedule_chooses_recomputation_per_stage() -> None:
+    prof = profile_with_policies()
+    plain = dd.predict("1f1b", prof)
+    full = dd.predict("1f1b", prof, remat="full")
+    assert full.makespan > plain.makespan and full.peak_memory < plain.peak_memory
+    assert plain.remat == {0: "none", 1: "none"} and full.remat == {0: "full", 1: "full"}
+    # a limit the first stage of 1F1B (2 live microbatches) misses without recomputing
+    # (by hand: worker 0 holds P + 2 live microbatches + its gradients and two sums =
+    # 5 MB at B1; selective keeps half a microbatch: 4.5 MB at B1's accumulation)
+    limit = 4_600_000
+    assert plain.memory == (5_000_000, 4_000_000)
+    ranked = dd.best_schedule(prof, memory_limit=limit, schedules=["1f1b"])
+    _, _, pred = ranked[0]
+    assert pred.peak_memory <= limit
+    assert pred.remat == {0: "selective", 1: "none"}      # the first stage, and cheaply
+    assert pred.makespan < full.makespan
+    # what it assumes is what predict gives for that policy, and what a step takes
+    again = dd.predict("1f1b", prof, remat=pred.remat)
+    assert again.memory == pred.memory and again.makespan == pytest.approx(pred.makespan)
+    Options.make("t", remat=pred.remat)
+    # no policy: the plain ranking refuses the limit; an impossible limit says why
+    with pytest.raises(dd.ArgumentError, match="no schedule fits"):
+        dd.best_schedule(prof, memory_limit=limit, schedules=["1f1b"], remat="none")
+    with pytest.raises(dd.ArgumentError, match="even with full recomputation"):
+        dd.best_schedule(prof, memory_limit=10, schedules=["1f1b"])
+
+
+# ------------------------------------------------------------------ refused before it runs
+
+def test_a_step_over_the_workers_memory_limit_is_refused_at_build() -> None:
+    import dask
+
+    # the limit is recorded but not enforced (no pause, spill or restart of a worker)
+    with dask.config.set({"distributed.worker.memory.target": False,
+                          "distributed.worker.memory.spill": False,
+                          "distributed.worker.memory.pause": False,
+                          "distributed.worker.memory.terminate": False}):
+        cluster = dd.local_cluster(2, memory_limit="24MiB", dashboard_address=None,
+                                   quiet=True)
+        client = Client(cluster)
+    try:
+        loss = staged(2, 4)
+        args = mlp(256, 8192, 4)          # GPipe, 8 microbatches of (1024, 256): ~50 MiB
+        step = dd.value_and_grad(loss, microbatches=8, schedule="gpipe")
+        with pytest.raises(dd.MemoryLimitError) as e:
+            step(*args)
+        text = str(e.value)
+        assert "stage 0" in text and "MiB" in text and "memory_limit of 24.00 MiB" in text
+        assert any(w in text for w in client.scheduler_info()["workers"])
+        assert "remat=" in text
+        # recomputing everything fits: the step runs and its gradients are JAX's
+        got_l, got_g = dd.value_and_grad(loss, microbatches=8, schedule="gpipe",
+                                         remat="full").compute(*args)
+        M.assert_matches_jax(loss, args, got_l, got_g)
+    finally:
+        client.close()
+        cluster.close()
