@@ -269,6 +269,11 @@ def test_a_step_over_the_workers_memory_limit_is_refused_at_build() -> None:
         assert "stage 0" in text and "MiB" in text and "memory_limit of 24.00 MiB" in text
         assert any(w in text for w in client.scheduler_info()["workers"])
         assert "remat=" in text
+        # the Trainer's step checks the same (its gradient part: a lower bound)
+        trainer = dd.Trainer(loss, optax.sgd(0.1), microbatches=8, schedule="gpipe",
+                             client=client)
+        with pytest.raises(dd.MemoryLimitError, match="stage 0"):
+            trainer.step(trainer.init(args[0]), *args[1:])
         # recomputing everything fits: the step runs and its gradients are JAX's
         got_l, got_g = dd.value_and_grad(loss, microbatches=8, schedule="gpipe",
                                          remat="full").compute(*args)
@@ -276,3 +281,43 @@ def test_a_step_over_the_workers_memory_limit_is_refused_at_build() -> None:
     finally:
         client.close()
         cluster.close()
+
+
+def test_a_new_placement_moves_resident_parameters_without_a_stale_copy(client2: Any
+                                                                         ) -> None:
+    """The same parameters under 2 stages, then 4 (two per worker): each is scattered to
+    its stage's new worker, and the copy on the old one goes (it was kept, and fetched
+    from there every step)."""
+    import gc
+    import time
+
+    def scattered() -> dict[str, int]:
+        return {w: sum(str(k).startswith("ArrayImpl-") for k in keys)
+                for w, keys in client2.has_what().items()}
+
+    gc.collect()                      # parameters of earlier tests on this cluster go
+    before, deadline = scattered(), time.monotonic() + 5
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        now = scattered()
+        if now == before:
+            break
+        before = now
+    params, x, t = mlp(16, 16, 8)
+
+    with client2.as_current():
+        for n, sched in ((2, get_schedule("1f1b")),
+                         (4, get_schedule("interleaved", virtual_stages=2))):
+            loss = staged(n, 8)
+            got_l, got_g = dd.value_and_grad(loss, microbatches=4, schedule=sched).compute(
+                params, x, t)
+            M.assert_matches_jax(loss, (params, x, t), got_l, got_g)
+            def added() -> list[int]:
+                now = scattered()
+                return sorted(now[w] - before.get(w, 0) for w in now)
+
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and added() != [8, 8]:
+                time.sleep(0.05)       # the old copies go when the scheduler frees them
+            # 8 layers x (w, b) = 16 arrays: 8 on each worker, wherever the stages are
+            assert added() == [8, 8], (n, scattered(), before)

@@ -37,12 +37,14 @@ class StageFootprint:
     """One stage's bytes: ``params`` (its differentiated parameters; the gradient
     accumulator is as large), ``kept`` (per policy name: what one live microbatch keeps
     from its forward to its backward), ``output`` (the activations it sends on, per
-    microbatch: the cotangent that comes back is as large)."""
+    microbatch: the cotangent that comes back is as large), ``stash`` (what a split
+    backward's I leaves for its W: the cotangents of the stage's layer outputs)."""
 
     stage: int
     params: int
     kept: tuple[tuple[str, int], ...]
     output: int
+    stash: int = 0
 
     def kept_by(self, policy: str) -> int:
         return dict(self.kept)[policy]
@@ -106,6 +108,7 @@ def stage_footprints(trace: Trace, policies: tuple[str, ...] = POLICIES,
     base: dict[int, int] = {}           # inputs received + outputs of its calls
     outs: dict[int, int] = {}
     res: dict[int, dict[str, int]] = {}
+    stash: dict[int, int] = {}
     seen: set[tuple[int, int, int]] = set()
     read_by: dict[tuple[int, int], set[int | None]] = {}     # value -> stages reading it
     for n in trace.nodes:
@@ -123,6 +126,10 @@ def stage_footprints(trace: Trace, policies: tuple[str, ...] = POLICIES,
             if (x.node, x.leaf, g) not in seen:
                 seen.add((x.node, x.leaf, g))
                 base[g] = base.get(g, 0) + nbytes(x.aval)
+        inner = getattr(n.spec.layer.fn, "steps", None)     # a fused run's layer calls
+        stash[g] = stash.get(g, 0) + (
+            sum(nbytes(a) for sub, _ in inner for a in sub.out_avals if a.shape)
+            if inner else sum(nbytes(a) for a in n.out_avals if a.shape))
         for leaf, aval in enumerate(n.out_avals):
             base[g] = base.get(g, 0) + nbytes(aval)
             if read_by.get((n.index, leaf), set()) - {None, g}:
@@ -136,7 +143,7 @@ def stage_footprints(trace: Trace, policies: tuple[str, ...] = POLICIES,
     stages = sorted(set(base) | set(params))
     return {g: StageFootprint(g, params.get(g, 0),
                               tuple((p, base.get(g, 0) + res.get(g, {}).get(p, 0))
-                                    for p in policies), outs.get(g, 0))
+                                    for p in policies), outs.get(g, 0), stash.get(g, 0))
             for g in stages}
 
 

@@ -39,7 +39,8 @@ def step_memory(footprints: Mapping[int, StageFootprint], schedule: Schedule, p:
     what a microbatch keeps (a profile measured at another microbatch size)."""
     params = {g: f.params for g, f in footprints.items()}
     kept = {g: f.kept_by(policy_of(remat, g)) * scale for g, f in footprints.items()}
-    return memory_peaks(schedule, p, m, params, kept, fused)
+    stash = {g: f.stash * scale for g, f in footprints.items()}
+    return memory_peaks(schedule, p, m, params, kept, fused, stash)
 
 
 def check_memory(trace: Trace, schedule: Schedule, m: int, remat: RematPolicy,

@@ -109,20 +109,31 @@ class StepTemplate:
         an input is not where a template can bind it (then the step is not kept)."""
         dsk: dict[str, Any] = {}
         seen: set[str] = set()
+        # the Futures a step reads are held as their keys: a template kept in the cache
+        # must not keep the parameters of the step it was made from on the workers
+        held = {key: TaskRef(key) for key in refs}
         for k, t in plan.dsk.items():
             if isinstance(t, DataNode) and k in inputs:
                 dsk[k] = _Slot(inputs[k])
                 seen.add(k)
             elif isinstance(t, Task) and t.func is run_program:
                 prog: Program = t.args[0]
+                if held:
+                    prog = dataclasses.replace(prog, actions=tuple(
+                        dataclasses.replace(a, task=a.task.substitute(held))
+                        for a in prog.actions))
                 args = []
                 for s, a in zip(prog.statics, t.args[2:]):
                     if s in inputs:
                         args.append(_Slot(inputs[s]))
                         seen.add(s)
+                    elif isinstance(a, TaskRef) and type(a) is not TaskRef:
+                        args.append(TaskRef(a.key))          # a Future: its key only
                     else:
                         args.append(a)
-                dsk[k] = Task(k, run_program, *t.args[:2], *args)
+                dsk[k] = Task(k, run_program, prog, t.args[1], *args)
+            elif isinstance(t, Task) and held:
+                dsk[k] = t.substitute(held)
             else:
                 dsk[k] = t
         if seen != set(inputs):

@@ -51,7 +51,8 @@ class StageProfile:
     fused stage's VJP, `dagdiff.core.footprint`), what `dd.predict(...).memory` adds up;
     ``recompute``: per policy, the share of F its backward runs again (1 for "full",
     XLA's cost estimate for "selective"); ``peak_memory``: the most bytes its worker
-    held in the profiled steps (measured, `Recording.peak_memory`)."""
+    held in the profiled steps (measured, `Recording.peak_memory`); ``stash_bytes``: what
+    a split backward's I leaves for its W per microbatch."""
 
     stage: int
     worker: str
@@ -68,6 +69,7 @@ class StageProfile:
     kept: tuple[tuple[str, int], ...] = ()
     recompute: tuple[tuple[str, float], ...] = ()
     peak_memory: int = 0
+    stash_bytes: int = 0
 
     def cost(self, kind: str, policy: str = "none") -> float:
         """Seconds of one action of `kind` (F, B, I or W), the backward's (B, I) with
@@ -315,6 +317,7 @@ class Profile:
                 layers=tuple(raw_layers.get(g) or fa["layers"]),
                 samples=len(samples[("F", g)]),
                 kept=footprints[g].kept if g in footprints else (),
+                stash_bytes=footprints[g].stash if g in footprints else 0,
                 recompute=(("full", 1.0), *sorted(shares.get(g, {}).items())),
                 peak_memory=peaks.get(str(build.targets.address(g)), 0)))
         if hops:

@@ -180,7 +180,8 @@ def _memory(prof: Profile, sched: Schedule, p: int, m: int, remat: dict[int, str
     last = prof.num_stages - 1
     fused = ({(g, mb) for g, mb in back_to_back(sched, p, m) if g == last}
              if dask.config.get("dagdiff.fuse-loss-backward", True) else set())
-    return memory_peaks(sched, p, m, params, kept, fused)
+    stash = {s.stage: s.stash_bytes * scale for s in prof.stages}
+    return memory_peaks(sched, p, m, params, kept, fused, stash)
 
 
 def _hosts(prof: Profile, p: int) -> list[Any] | None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import threading
 import time
+import weakref
 from typing import Any, NamedTuple
 
 import jax
@@ -70,13 +71,27 @@ def _device_bytes() -> int:
     if alloc is not None:
         return alloc[0]
     total = 0
-    for x in jax.live_arrays():
-        try:
-            if not x.is_deleted():
-                total += x.nbytes
+    live = jax.live_arrays()
+    sizes = _SIZES
+    for x in live:
+        hit = sizes.get(id(x))
+        if hit is not None and hit[0]() is x:
+            total += hit[1]
+            continue
+        try:                            # an array's size is read once (~2 us each)
+            n = int(x.nbytes)
+            sizes[id(x)] = (weakref.ref(x), n)
         except Exception:                      # noqa: BLE001 - freed meanwhile
             continue
+        total += n
+    if len(sizes) > 2 * len(live) + 64:       # forget arrays that are gone
+        for k in [k for k, (ref, _) in sizes.items() if ref() is None]:
+            del sizes[k]
     return total
+
+
+#: id -> (weak reference, bytes) of arrays seen by a sample
+_SIZES: dict[int, tuple[Any, int]] = {}
 
 
 def _walk(value: Any, seen: set[int], depth: int = 0) -> int:

@@ -10,7 +10,8 @@ what a build checks against a worker's memory limit. Per action of a worker, in 
   its ``kept[g]`` goes (the pullback is dropped); then the accumulator adds the
   gradients to the previous sum (a new sum while the old one is still held), and the
   gradients and the old sum go. I (a split
-  backward's input part) frees nothing: its W still needs the residuals.
+  backward's input part) frees nothing: its W still needs the residuals, and I leaves
+  ``stash[g]`` beside them (the cotangents W multiplies by), held until W.
 
 A worker starts holding its stages' parameters. The peak is the largest total at any
 of these points: where each task has its result and its inputs are still held.
@@ -39,13 +40,16 @@ class MemoryPeak:
 
 
 def memory_peaks(schedule: Schedule, p: int, m: int, params: Mapping[int, float],
-                 kept: Mapping[int, float], fused: Collection[tuple[int, int]] = ()
-                 ) -> list[MemoryPeak]:
+                 kept: Mapping[int, float], fused: Collection[tuple[int, int]] = (),
+                 stash: Mapping[int, float] | None = None) -> list[MemoryPeak]:
     """Per worker of `schedule` on `p` workers with `m` microbatches: its `MemoryPeak`.
     `params[g]` / `kept[g]`: bytes of stage g's parameters and of what one live
     microbatch keeps (`dagdiff.core.footprint`); `fused`: (stage, microbatch) pairs
-    whose forward runs with its backward."""
+    whose forward runs with its backward; `stash[g]`: what a split backward's I leaves
+    for its W (the stage's output cotangents), held from I to W."""
     layout = schedule.checked_layout(p)
+    stash = stash or {}
+    split = schedule.split_backward
     out = []
     for w, order in enumerate(schedule.table(p, m)):
         held = float(sum(params.get(g, 0) for g in layout[w]))
@@ -61,17 +65,22 @@ def memory_peaks(schedule: Schedule, p: int, m: int, params: Mapping[int, float]
         for a in order:
             g = layout[w][a.chunk]
             label = f"{a.kind}{a.microbatch} s{g}"
-            pg, kg = float(params.get(g, 0)), float(kept.get(g, 0))
-            is_fused = (g, a.microbatch) in fused
+            pg, kg, sg = (float(params.get(g, 0)), float(kept.get(g, 0)),
+                          float(stash.get(g, 0)))
+            # a forward fused with its I (a split backward) keeps what W needs, as an
+            # unfused F then I would (its I action is the same point); one fused with
+            # its B keeps only the gradients
+            is_fused = (g, a.microbatch) in fused and not split
             if a.kind == "F":
                 live += 1
-                if is_fused:
-                    note(held + kg + pg, label)      # inside the fused call
+                if is_fused:                         # inside the fused call, then after
+                    note(held + kg + pg, label)
                     held += pg
                 else:
                     held, acts = held + kg, acts + kg
                     note(held, label)
             elif a.kind == "I":
+                held += sg                           # what W will need, beside the residuals
                 note(held, label)
             else:                                   # B, W: weight gradients, accumulate
                 if not is_fused:                    # a fused forward holds them already
@@ -79,6 +88,8 @@ def memory_peaks(schedule: Schedule, p: int, m: int, params: Mapping[int, float]
                 note(held, label)
                 if not is_fused:                    # its pullback (residuals) is let go
                     held, acts = held - kg, acts - kg
+                if a.kind == "W":
+                    held -= sg
                 live -= 1
                 if g in summed:                     # a new sum beside the old one
                     note(held + pg, f"acc{a.microbatch} s{g}")

@@ -17,6 +17,7 @@ from ..cluster.targets import Targets
 from ..core.keys import make_key
 from ..lowering import template as templates
 from ..lowering.graph import OutKey, assemble, assemble_direct
+from ..lowering.memory import check_memory
 from ..lowering.pipeline import lower_pipeline
 from ..runtime.tasks import mean_task
 from ..runtime.taskspec import DataNode, Task, TaskRef
@@ -85,6 +86,14 @@ class StepGraph:
             else:
                 state_refs[(r, g)] = value
         replica_loss, replica_grads = [], []
+        if self.client is not None and self.schedule is not None:
+            # refuse a step whose gradient part alone cannot fit (optimizer state and the
+            # update come on top: the check is a lower bound), once per template
+            lstage = model.model.trace.nodes[model.model.loss.node].stage
+            for r in range(r_count):
+                check_memory(model.model.trace, self.schedule, m, self.options.remat, lstage,
+                             {g: stage_address(targets, g + r * p) for g in range(p)},
+                             self.client)
         for r in range(r_count):
             resident = {}
             for g, group in enumerate(model.groups):
