@@ -6,8 +6,11 @@ below what 1F1B without recomputation measurably holds on its first worker; the 
 is run and measured next to no recomputation and full recomputation everywhere (the
 policy a user would otherwise pick). Prints, per run: the measured peak per worker
 (`dd.record(...).peak_memory()`), the predicted one, the median step time, and whether
-the gradients equal `jax.value_and_grad`'s. Then the estimate against the measurement
-for every built-in schedule (`--all-schedules`).
+the gradients equal `jax.value_and_grad`'s. "predicted" is what samples between tasks
+see (CPU: no allocator peak), "incl. calls" adds what exists only inside one call (the
+loss stage's fused forward and backward). Then the estimate against the measurement for
+every built-in schedule and policy, on the MLP and on the transformer of notebooks/04
+(`--all-schedules`).
 
     python benchmarks/bench_memory.py [--width 256 --batch 4096 --layers 8 --steps 5]
 """
@@ -45,7 +48,7 @@ def run(client: Any, loss: Any, args: tuple[Any, ...], schedule: Any, m: int, re
     with dd.record(client) as rec:
         out = step.compute(*args, client=client)
     peaks = {rec.worker_names.get(w, w): n for w, n in rec.peak_memory().items()}
-    return peaks, statistics.median(times), out
+    return peaks, statistics.median(times) if times else 0.0, out
 
 
 def equal_to_jax(loss: Any, args: tuple[Any, ...], out: Any) -> bool:
@@ -89,14 +92,16 @@ def main() -> None:
                 peaks, t, out = run(client, loss, args, "1f1b", m, remat, a.steps)
             pred = dd.predict("1f1b", prof, m, remat=remat)
             fits = all(v <= limit for v in peaks.values())
-            rows.append((label, peaks, pred.memory, t, fits, equal_to_jax(loss, args, out)))
-        print(f"{'remat':34s} {'measured MiB (w0, w1)':>22s} {'predicted MiB':>16s} "
-              f"{'step ms':>8s} {'fits':>5s} {'grads = jax':>11s}")
-        for label, peaks, pred_mem, t, fits, ok in rows:
+            rows.append((label, peaks, pred, t, fits, equal_to_jax(loss, args, out)))
+        print(f"{'remat':34s} {'measured MiB (w0, w1)':>22s} {'predicted':>13s} "
+              f"{'incl. calls':>13s} {'step ms':>8s} {'fits':>5s} {'grads = jax':>11s}")
+        for label, peaks, pred, t, fits, ok in rows:
             meas = f"{peaks['slot0'] / MiB:.2f}, {peaks['slot1'] / MiB:.2f}"
-            pr = f"{pred_mem[0] / MiB:.2f}, {pred_mem[1] / MiB:.2f}"
-            print(f"{label:34s} {meas:>22s} {pr:>16s} {t * 1e3:8.1f} {str(fits):>5s} "
-                  f"{str(ok):>11s}")
+            between, inside = pred.memory_between_tasks, pred.memory
+            pr = f"{between[0] / MiB:.2f}, {between[1] / MiB:.2f}"
+            pc = f"{inside[0] / MiB:.2f}, {inside[1] / MiB:.2f}"
+            print(f"{label:34s} {meas:>22s} {pr:>13s} {pc:>13s} {t * 1e3:8.1f} "
+                  f"{str(fits):>5s} {str(ok):>11s}")
         t_plan, t_full = rows[1][3], rows[2][3]
         print(f"\nplan / full recomputation step time: {t_plan / t_full:.2f}x")
         if a.all_schedules:
@@ -106,9 +111,69 @@ def main() -> None:
         cluster.close()
 
 
+def transformer(n_stages: int, blocks: int = 4, vocab: int = 64, T: int = 64, D: int = 128,
+                heads: int = 4, batch: int = 64) -> tuple[Any, tuple[Any, ...]]:
+    """The character LM of notebooks/04 (pre-norm attention blocks, causal mask, GELU MLP),
+    wider: `blocks` blocks spread over `n_stages` stages (embedding on the first, the
+    loss on the last); (loss, (params, tokens, targets))."""
+    def norm(x: Any, g: Any, b: Any) -> Any:
+        mu = x.mean(-1, keepdims=True)
+        return (x - mu) / jnp.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + 1e-5) * g + b
+
+    @dd.layer
+    def embed(p: Any, tokens: Any) -> Any:
+        return p["tok"][tokens] + p["pos"][: tokens.shape[1]]
+
+    @dd.layer
+    def block(p: Any, x: Any) -> Any:
+        b, t, d = x.shape
+        h = norm(x, p["ln1_g"], p["ln1_b"])
+        q, k, v = (jnp.einsum("btd,de->bte", h, p[n]).reshape(b, t, heads, d // heads)
+                   for n in ("wq", "wk", "wv"))
+        att = jnp.einsum("bthe,bshe->bhts", q, k) / jnp.sqrt(d // heads)
+        att = jnp.where(jnp.tril(jnp.ones((t, t), bool)), att, -1e9)
+        h = jnp.einsum("bhts,bshe->bthe", jax.nn.softmax(att, -1), v).reshape(b, t, d)
+        x = x + h @ p["wo"]
+        h = norm(x, p["ln2_g"], p["ln2_b"])
+        return x + jax.nn.gelu(h @ p["w1"]) @ p["w2"]
+
+    @dd.layer
+    def lm_loss(p: Any, x: Any, targets: Any) -> Any:
+        logits = norm(x, p["g"], p["b"]) @ p["head"]
+        return -jnp.take_along_axis(jax.nn.log_softmax(logits, -1), targets[..., None],
+                                    -1).mean()
+
+    def loss(params: Any, tokens: Any, targets: Any) -> Any:
+        with dd.stage(0):
+            x = embed(params["embed"], tokens)
+        for i, bp in enumerate(params["blocks"]):
+            with dd.stage(i * n_stages // blocks):
+                x = block(bp, x)
+        with dd.stage(n_stages - 1):
+            return lm_loss(params["head"], x, targets)
+
+    ks = iter(jax.random.split(jax.random.PRNGKey(0), 64))
+
+    def n(*shape: int) -> Any:
+        return jax.random.normal(next(ks), shape) * 0.02
+
+    def blk() -> dict[str, Any]:
+        return {"ln1_g": jnp.ones(D), "ln1_b": jnp.zeros(D), "wq": n(D, D), "wk": n(D, D),
+                "wv": n(D, D), "wo": n(D, D), "ln2_g": jnp.ones(D), "ln2_b": jnp.zeros(D),
+                "w1": n(D, 4 * D), "w2": n(4 * D, D)}
+
+    params = {"embed": {"tok": n(vocab, D), "pos": n(T, D)},
+              "blocks": [blk() for _ in range(blocks)],
+              "head": {"g": jnp.ones(D), "b": jnp.zeros(D), "head": n(D, vocab)}}
+    tokens = jax.random.randint(next(ks), (batch, T), 0, vocab)
+    targets = jnp.roll(tokens, -1, axis=1)
+    return loss, (params, tokens, targets)
+
+
 def estimates(client: Any, params: Any, batch: Any, m: int) -> None:
     """Predicted (the trace's footprint over the schedule's order) against measured peaks,
-    every built-in schedule, 2 workers (two stages each for the multi-chunk ones)."""
+    every built-in schedule and policy, 2 workers (two stages each for the multi-chunk
+    ones), on the MLP job and on the transformer of notebooks/04."""
     from dagdiff.build import Options, trace_model
     from dagdiff.core.footprint import stage_footprints
     from dagdiff.lowering.memory import loss_fused, step_memory
@@ -116,7 +181,7 @@ def estimates(client: Any, params: Any, batch: Any, m: int) -> None:
 
     from common import dense, mse
 
-    def staged(n: int) -> Any:
+    def mlp(n: int) -> tuple[Any, tuple[Any, ...]]:
         def loss(ps: Any, x: Any, t: Any) -> Any:
             h = x
             for i, p in enumerate(ps):
@@ -124,26 +189,35 @@ def estimates(client: Any, params: Any, batch: Any, m: int) -> None:
                     h = dense(p, h)
             with dd.stage(n - 1):
                 return mse(h, t)
-        return loss
+        return loss, (params, *batch)
 
-    print(f"\n{'schedule':16s} {'remat':10s} {'w0 measured / predicted':>26s} "
-          f"{'w1 measured / predicted':>26s}")
-    for name in SCHEDULES:
-        multi = name in ("interleaved", "looped-bfs", "interleaved-zb")
-        sched = dd.get_schedule(name, virtual_stages=2) if multi else dd.get_schedule(name)
-        loss = staged(2 * sched.virtual_stages)
-        args = (params, *batch)
-        for remat in ("none", "full"):
-            peaks, _, _ = run(client, loss, args, sched, m, remat, 0)
-            model = trace_model(loss, args, {}, Options.make(
-                "bench", microbatches=m, schedule=sched, remat=remat), None)
-            fps = stage_footprints(model.trace, current=remat)
-            pred = step_memory(fps, sched, 2, m, remat,
-                               loss_fused(model.trace, sched, m, model.trace.num_stages - 1))
-            cells = [f"{peaks[f'slot{w}'] / MiB:.2f} / {pred[w].bytes / MiB:.2f} "
-                     f"({(pred[w].bytes - peaks[f'slot{w}']) / peaks[f'slot{w}']:+.0%})"
-                     for w in range(2)]
-            print(f"{name:16s} {remat:10s} {cells[0]:>26s} {cells[1]:>26s}")
+    errors = []
+    for label, make in (("mlp", mlp), ("transformer", transformer)):
+        print(f"\n{label}: {'schedule':14s} {'remat':10s} {'w0 measured / predicted MiB':>30s} "
+              f"{'w1 measured / predicted MiB':>30s}")
+        for name in SCHEDULES:
+            multi = name in ("interleaved", "looped-bfs", "interleaved-zb")
+            sched = dd.get_schedule(name, virtual_stages=2) if multi else dd.get_schedule(name)
+            loss, args = make(2 * sched.virtual_stages)
+            for remat in ("none", "selective", "full"):
+                peaks, _, _ = run(client, loss, args, sched, m, remat, 0)
+                model = trace_model(loss, args, {}, Options.make(
+                    "bench", microbatches=m, schedule=sched, remat=remat), None)
+                fps = stage_footprints(model.trace, current=remat)
+                pred = step_memory(fps, sched, 2, m, remat, loss_fused(
+                    model.trace, sched, m, model.trace.nodes[model.loss.node].stage),
+                    inside_calls=False)
+                cells = []
+                for w in range(2):
+                    got, want = peaks[f"slot{w}"], pred[w].bytes
+                    errors.append(abs(want - got) / got)
+                    cells.append(f"{got / MiB:.2f} / {want / MiB:.2f} ({(want - got) / got:+.0%})")
+                print(f"{'':{len(label) + 2}s}{name:14s} {remat:10s} {cells[0]:>30s} "
+                      f"{cells[1]:>30s}", flush=True)
+    errors.sort()
+    print(f"\nprediction error over {len(errors)} (schedule, policy, worker): median "
+          f"{errors[len(errors) // 2]:.1%}, within 10%: "
+          f"{sum(e <= 0.10 for e in errors)}/{len(errors)}, worst {errors[-1]:.1%}")
 
 
 if __name__ == "__main__":

@@ -38,13 +38,16 @@ class StageFootprint:
     accumulator is as large), ``kept`` (per policy name: what one live microbatch keeps
     from its forward to its backward), ``output`` (the activations it sends on, per
     microbatch: the cotangent that comes back is as large), ``stash`` (what a split
-    backward's I leaves for its W: the cotangents of the stage's layer outputs)."""
+    backward's I leaves for its W: the cotangents of the stage's layer outputs),
+    ``inputs`` (one microbatch of the batch inputs it reads: a step holds the whole batch
+    on the stage's worker, each microbatch a view of it)."""
 
     stage: int
     params: int
     kept: tuple[tuple[str, int], ...]
     output: int
     stash: int = 0
+    inputs: int = 0
 
     def kept_by(self, policy: str) -> int:
         return dict(self.kept)[policy]
@@ -109,6 +112,7 @@ def stage_footprints(trace: Trace, policies: tuple[str, ...] = POLICIES,
     outs: dict[int, int] = {}
     res: dict[int, dict[str, int]] = {}
     stash: dict[int, int] = {}
+    batch: dict[int, int] = {}
     seen: set[tuple[int, int, int]] = set()
     read_by: dict[tuple[int, int], set[int | None]] = {}     # value -> stages reading it
     for n in trace.nodes:
@@ -125,7 +129,10 @@ def stage_footprints(trace: Trace, policies: tuple[str, ...] = POLICIES,
                 continue
             if (x.node, x.leaf, g) not in seen:
                 seen.add((x.node, x.leaf, g))
-                base[g] = base.get(g, 0) + nbytes(x.aval)
+                if src.kind == "input":           # a view of the batch the step holds
+                    batch[g] = batch.get(g, 0) + nbytes(x.aval)
+                else:
+                    base[g] = base.get(g, 0) + nbytes(x.aval)
         inner = getattr(n.spec.layer.fn, "steps", None)     # a fused run's layer calls
         stash[g] = stash.get(g, 0) + (
             sum(nbytes(a) for sub, _ in inner for a in sub.out_avals if a.shape)
@@ -143,7 +150,8 @@ def stage_footprints(trace: Trace, policies: tuple[str, ...] = POLICIES,
     stages = sorted(set(base) | set(params))
     return {g: StageFootprint(g, params.get(g, 0),
                               tuple((p, base.get(g, 0) + res.get(g, {}).get(p, 0))
-                                    for p in policies), outs.get(g, 0), stash.get(g, 0))
+                                    for p in policies), outs.get(g, 0), stash.get(g, 0),
+                              batch.get(g, 0))
             for g in stages}
 
 

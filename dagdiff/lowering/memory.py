@@ -33,14 +33,16 @@ def loss_fused(trace: Trace, schedule: Schedule, m: int, loss_stage: int | None
 
 def step_memory(footprints: Mapping[int, StageFootprint], schedule: Schedule, p: int, m: int,
                 remat: RematPolicy = "none", fused: set[tuple[int, int]] = frozenset(),
-                scale: float = 1.0) -> list[MemoryPeak]:
+                scale: float = 1.0, inside_calls: bool = True) -> list[MemoryPeak]:
     """Per worker: the predicted `MemoryPeak` of one step of `schedule` on `p` workers
     with `m` microbatches, each stage under its policy in `remat`; `scale` multiplies
-    what a microbatch keeps (a profile measured at another microbatch size)."""
+    what a microbatch keeps (a profile measured at another microbatch size);
+    `inside_calls`: see `memory_peaks`."""
     params = {g: f.params for g, f in footprints.items()}
     kept = {g: f.kept_by(policy_of(remat, g)) * scale for g, f in footprints.items()}
     stash = {g: f.stash * scale for g, f in footprints.items()}
-    return memory_peaks(schedule, p, m, params, kept, fused, stash)
+    whole = {g: f.inputs * m * scale for g, f in footprints.items()}
+    return memory_peaks(schedule, p, m, params, kept, fused, stash, inside_calls, whole)
 
 
 def check_memory(trace: Trace, schedule: Schedule, m: int, remat: RematPolicy,

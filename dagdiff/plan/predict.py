@@ -34,7 +34,10 @@ class Prediction:
     (parameters, live microbatches, weight gradients and their sums, worked out over the
     schedule's order by `dagdiff.schedules.memory`), ``peak_at``: the action where that
     is. ``remat``: the policy of each stage it assumes ({stage: "none" | "selective" |
-    "full"}; `dd.value_and_grad(..., remat=pred.remat)` runs it). ``comm``: mean seconds
+    "full"}; `dd.value_and_grad(..., remat=pred.remat)` runs it).
+    ``memory_between_tasks``: the same without what exists only inside one call (a
+    fused forward and backward's residuals), which is what `dd.record` measures where
+    no allocator reports its peak (CPU). ``comm``: mean seconds
     of one cross-worker hop, ``hops``: how many a step has; ``layout``: per worker its
     global stages; ``spans``: per worker (action, start, end), as `simulate` gives them;
     ``overhead``: the profile's step overhead (see `step_time`)."""
@@ -57,6 +60,7 @@ class Prediction:
     overhead: float = 0.0
     remat: dict[int, str] = field(default_factory=dict)
     peak_at: tuple[str, ...] = ()
+    memory_between_tasks: tuple[int, ...] = ()
 
     @property
     def step_time(self) -> float:
@@ -153,6 +157,7 @@ def predict(schedule: str | Schedule, profile: Profile, microbatches: int | None
     layout = sched.checked_layout(p)
     params = [sum(prof.stages[g].param_bytes for g in stages) for stages in layout]
     peaks = _memory(prof, sched, p, m, per_stage)
+    between = _memory(prof, sched, p, m, per_stage, inside_calls=False)
     worker_of = {g: w for w, stages in enumerate(layout) for g in stages}
     cross = [edges[(g - 1, g)] for g in range(1, prof.num_stages)
              if worker_of[g - 1] != worker_of[g]]
@@ -166,11 +171,12 @@ def predict(schedule: str | Schedule, profile: Profile, microbatches: int | None
         param_bytes=tuple(params), memory=tuple(pk.bytes for pk in peaks),
         comm=sum(cross) / len(cross) if cross else 0.0, hops=len(cross) * m,
         layout=tuple(tuple(s) for s in layout), spans=sim.spans, overhead=prof.step_overhead,
-        remat=per_stage, peak_at=tuple(pk.at for pk in peaks))
+        remat=per_stage, peak_at=tuple(pk.at for pk in peaks),
+        memory_between_tasks=tuple(pk.bytes for pk in between))
 
 
-def _memory(prof: Profile, sched: Schedule, p: int, m: int, remat: dict[int, str]
-            ) -> list[MemoryPeak]:
+def _memory(prof: Profile, sched: Schedule, p: int, m: int, remat: dict[int, str],
+            inside_calls: bool = True) -> list[MemoryPeak]:
     """Per worker: the step's predicted high point (`dagdiff.schedules.memory`), with
     the loss's stage (the last) running a forward and its backward as one where the
     schedule puts them back to back, as a step does."""
@@ -181,7 +187,8 @@ def _memory(prof: Profile, sched: Schedule, p: int, m: int, remat: dict[int, str
     fused = ({(g, mb) for g, mb in back_to_back(sched, p, m) if g == last}
              if dask.config.get("dagdiff.fuse-loss-backward", True) else set())
     stash = {s.stage: s.stash_bytes * scale for s in prof.stages}
-    return memory_peaks(sched, p, m, params, kept, fused, stash)
+    whole = {s.stage: s.input_bytes * scale * m for s in prof.stages}
+    return memory_peaks(sched, p, m, params, kept, fused, stash, inside_calls, whole)
 
 
 def _hosts(prof: Profile, p: int) -> list[Any] | None:

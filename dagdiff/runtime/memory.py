@@ -5,9 +5,9 @@ A sample is taken when a forward, VJP, sum or accumulate task has its result, wh
 its inputs are still held: the high point of that task. It counts
 - ``device``: the live JAX buffers of this process (`jax.live_arrays`), or, where the
   backend keeps allocator statistics (GPUs), its ``bytes_in_use``;
-- ``host``: the NumPy arrays this worker holds in Dask's memory (not what it spilled)
-  and in its direct-dispatch runs' received values (batch slices, parameters shipped
-  as NumPy).
+- ``host``: the NumPy arrays this worker holds in Dask's memory (not what it spilled),
+  in its direct-dispatch runs' received values and in its running programs' inputs and
+  values (batches and their slices, parameters shipped as NumPy).
 
 Buffers inside one jitted call (XLA's temporaries) are not live arrays; where the
 allocator keeps a peak (``peak_bytes_in_use``, GPUs) and it rose while recording, the
@@ -132,6 +132,9 @@ def _host_bytes() -> int:
     for st in list(getattr(ext, "_runs", {}).values()):
         for v in list(st.values.values()):
             total += _walk(v[0], seen)
+    for statics, local in list(getattr(ext, "held", {}).values()):
+        total += _walk(list(statics.values()), seen)
+        total += _walk([v[0] for v in list(local.values())], seen)
     return total
 
 

@@ -13,7 +13,7 @@ what a build checks against a worker's memory limit. Per action of a worker, in 
   backward's input part) frees nothing: its W still needs the residuals, and I leaves
   ``stash[g]`` beside them (the cotangents W multiplies by), held until W.
 
-A worker starts holding its stages' parameters. The peak is the largest total at any
+A worker starts holding its stages' parameters (and the batch its stages read). The peak is the largest total at any
 of these points: where each task has its result and its inputs are still held.
 """
 from __future__ import annotations
@@ -41,18 +41,24 @@ class MemoryPeak:
 
 def memory_peaks(schedule: Schedule, p: int, m: int, params: Mapping[int, float],
                  kept: Mapping[int, float], fused: Collection[tuple[int, int]] = (),
-                 stash: Mapping[int, float] | None = None) -> list[MemoryPeak]:
+                 stash: Mapping[int, float] | None = None, inside_calls: bool = True,
+                 held_whole: Mapping[int, float] | None = None) -> list[MemoryPeak]:
     """Per worker of `schedule` on `p` workers with `m` microbatches: its `MemoryPeak`.
     `params[g]` / `kept[g]`: bytes of stage g's parameters and of what one live
     microbatch keeps (`dagdiff.core.footprint`); `fused`: (stage, microbatch) pairs
     whose forward runs with its backward; `stash[g]`: what a split backward's I leaves
-    for its W (the stage's output cotangents), held from I to W."""
+    for its W (the stage's output cotangents), held from I to W. `inside_calls=False`
+    leaves out what exists only inside one call (a fused forward and backward's
+    residuals): the peak as samples between tasks see it, where no allocator reports
+    its own peak (CPU). `held_whole[g]`: bytes stage g holds for the whole step (its
+    batch inputs)."""
     layout = schedule.checked_layout(p)
+    held_whole = held_whole or {}
     stash = stash or {}
     split = schedule.split_backward
     out = []
     for w, order in enumerate(schedule.table(p, m)):
-        held = float(sum(params.get(g, 0) for g in layout[w]))
+        held = float(sum(params.get(g, 0) + held_whole.get(g, 0) for g in layout[w]))
         summed: set[int] = set()        # stages whose accumulator exists
         live, acts = 0, 0.0
         best = MemoryPeak(int(round(held)), 0, "start")
@@ -74,7 +80,7 @@ def memory_peaks(schedule: Schedule, p: int, m: int, params: Mapping[int, float]
             if a.kind == "F":
                 live += 1
                 if is_fused:                         # inside the fused call, then after
-                    note(held + kg + pg, label)
+                    note(held + (kg if inside_calls else 0.0) + pg, label)
                     held += pg
                 else:
                     held, acts = held + kg, acts + kg

@@ -104,6 +104,8 @@ class DirectRuntime:
         #: (task key, time) of every task this worker started (`dd.record`)
         self.starts: collections.deque[tuple[str, float]] = collections.deque(maxlen=200_000)
         self._runs_counter = itertools.count()
+        #: per running program: its inputs and the values it holds (`runtime.memory`)
+        self.held: dict[str, tuple[dict[str, Any], dict[str, list[Any]]]] = {}
         #: addresses of workers the scheduler removed (newest last, bounded)
         self.lost: collections.OrderedDict[str, float] = collections.OrderedDict()
         worker.handlers[STATUS_OP] = self._status
@@ -227,6 +229,7 @@ class DirectRuntime:
         _secede()
         statics = dict(zip(prog.statics, static_values))
         local: dict[str, list[Any]] = {}               # key -> [value, uses left]
+        self.held[prog.key] = (statics, local)         # what `runtime.memory` counts
         exports: dict[str, Any] = {}
         failure: BaseException | None = None
         live = ActionReporter(self.worker, prog.key) if prog.live else None
@@ -262,6 +265,7 @@ class DirectRuntime:
         finally:
             if live is not None:
                 live.flush()
+            self.held.pop(prog.key, None)
             self._running.pop(prog.key, None)
             self._finish(run, "ended" if failure is None else "failed")
         if failure is not None:
