@@ -193,6 +193,7 @@ def estimates(client: Any, params: Any, batch: Any, m: int) -> None:
 
     errors = []
     for label, make in (("mlp", mlp), ("transformer", transformer)):
+        client.restart()        # each model on fresh workers: nothing left of the last one
         print(f"\n{label}: {'schedule':14s} {'remat':10s} {'w0 measured / predicted MiB':>30s} "
               f"{'w1 measured / predicted MiB':>30s}")
         for name in SCHEDULES:

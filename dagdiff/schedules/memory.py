@@ -73,23 +73,24 @@ def memory_peaks(schedule: Schedule, p: int, m: int, params: Mapping[int, float]
             label = f"{a.kind}{a.microbatch} s{g}"
             pg, kg, sg = (float(params.get(g, 0)), float(kept.get(g, 0)),
                           float(stash.get(g, 0)))
-            # a forward fused with its I (a split backward) keeps what W needs, as an
-            # unfused F then I would (its I action is the same point); one fused with
-            # its B keeps only the gradients
-            is_fused = (g, a.microbatch) in fused and not split
+            # a forward fused with its B keeps only the gradients; one fused with its I
+            # (a split backward) only what its W needs (the stash), no pullback
+            is_fused = (g, a.microbatch) in fused
             if a.kind == "F":
                 live += 1
                 if is_fused:                         # inside the fused call, then after
-                    note(held + (kg if inside_calls else 0.0) + pg, label)
-                    held += pg
+                    keeps = sg if split else pg
+                    note(held + (kg if inside_calls else 0.0) + keeps, label)
+                    held += keeps
                 else:
                     held, acts = held + kg, acts + kg
                     note(held, label)
             elif a.kind == "I":
-                held += sg                           # what W will need, beside the residuals
+                if not is_fused:                     # (a fused one ran with its F)
+                    held += sg                       # what W will need, beside the residuals
                 note(held, label)
             else:                                   # B, W: weight gradients, accumulate
-                if not is_fused:                    # a fused forward holds them already
+                if not (is_fused and a.kind == "B"):    # a fused forward holds them already
                     held += pg
                 note(held, label)
                 if not is_fused:                    # its pullback (residuals) is let go
