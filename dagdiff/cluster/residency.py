@@ -14,7 +14,7 @@ from .targets import Targets
 __all__ = ["resident_inputs"]
 
 
-_RESIDENT: "weakref.WeakKeyDictionary[Any, dict[int, tuple[Any, Any, Any, Any]]]" = \
+_RESIDENT: "weakref.WeakKeyDictionary[Any, dict[int, dict[Any, tuple[Any, Any, Any]]]]" = \
     weakref.WeakKeyDictionary()
 
 
@@ -22,26 +22,34 @@ def resident_inputs(trace: Any, client: Any, targets: Targets, home: Mapping[int
                     kinds: tuple[str, ...] = ("param",)) -> dict[int, tuple[Any, int]]:
     """Scatter input values of the given node kinds to the worker of their stage once, and
     reuse the Future while the same array object is alive, its future still valid and
-    its stage still on that worker (a new placement scatters it to the new worker, and
-    the old copy goes with its last reference: no stale copy held, nothing fetched
-    from the old worker every step).
+    its stage still on that worker. One array read by stages on several workers has a
+    copy on each; a new placement scatters it to the new workers, and the copies on
+    workers this step no longer reads it on go with their last reference (no stale
+    copy held, nothing fetched from an old worker every step).
 
     Returns {node index: (Future, -1)} for `lower(inputs=...)`."""
     cache = _RESIDENT.setdefault(client, {})
     out: dict[int, tuple[Any, int]] = {}
-    todo: list[tuple[int, Any, list[str] | None, Any]] = []
+    todo: list[tuple[int, Any, Any, Any]] = []
+    used: dict[int, set[Any]] = {}           # array id -> the workers this step reads it on
     for n in trace.nodes:
         if n.kind not in kinds or not isinstance(n.value, (jax.Array, np.ndarray)):
             continue
-        hit = cache.get(id(n.value))
-        stamp = None if isinstance(n.value, jax.Array) else _np_stamp(n.value)
         addr = targets.address(home.get(n.index))
+        used.setdefault(id(n.value), set()).add(addr)
+        hit = cache.get(id(n.value), {}).get(addr)
+        stamp = None if isinstance(n.value, jax.Array) else _np_stamp(n.value)
         if (hit is not None and hit[0]() is n.value and hit[2] == stamp
-                and hit[3] == addr and hit[1].status == "finished"):
+                and hit[1].status == "finished"):
             out[n.index] = (hit[1], -1)
             continue
         todo.append((n.index, n.value, addr, stamp))
     for idx, value, addr, stamp in todo:
+        here = cache.get(id(value), {}).get(addr)
+        if here is not None and here[0]() is value and here[2] == stamp \
+                and here[1].status == "finished":  # scattered for another node just now
+            out[idx] = (here[1], -1)
+            continue
         fut = client.scatter(value, workers=[addr] if addr is not None else None, hash=False)
         try:
             ref = weakref.ref(value)
@@ -49,9 +57,15 @@ def resident_inputs(trace: Any, client: Any, targets: Targets, home: Mapping[int
             out[idx] = (fut, -1)
             continue
         ident = id(value)
-        cache[ident] = (ref, fut, stamp, addr)
-        weakref.finalize(value, cache.pop, ident, None)
+        if ident not in cache:
+            weakref.finalize(value, cache.pop, ident, None)
+        cache.setdefault(ident, {})[addr] = (ref, fut, stamp)
         out[idx] = (fut, -1)
+    for ident, addrs in used.items():           # copies on workers no longer reading it go
+        entry = cache.get(ident)
+        if entry is not None:
+            for addr in [a for a in entry if a not in addrs]:
+                del entry[addr]
     return out
 
 

@@ -40,7 +40,9 @@ class StageFootprint:
     microbatch: the cotangent that comes back is as large), ``stash`` (what a split
     backward's I leaves for its W: the cotangents of the stage's layer outputs),
     ``inputs`` (one microbatch of the batch inputs it reads: a step holds the whole batch
-    on the stage's worker, each microbatch a view of it)."""
+    on the stage's worker, each microbatch a view of it), ``received`` (the activations a
+    microbatch brings from earlier stages: part of ``kept``, and all a forward fused
+    with its backward keeps of them until its VJP task has run)."""
 
     stage: int
     params: int
@@ -48,6 +50,7 @@ class StageFootprint:
     output: int
     stash: int = 0
     inputs: int = 0
+    received: int = 0
 
     def kept_by(self, policy: str) -> int:
         return dict(self.kept)[policy]
@@ -113,6 +116,7 @@ def stage_footprints(trace: Trace, policies: tuple[str, ...] = POLICIES,
     res: dict[int, dict[str, int]] = {}
     stash: dict[int, int] = {}
     batch: dict[int, int] = {}
+    recv: dict[int, int] = {}
     seen: set[tuple[int, int, int]] = set()
     read_by: dict[tuple[int, int], set[int | None]] = {}     # value -> stages reading it
     for n in trace.nodes:
@@ -133,6 +137,7 @@ def stage_footprints(trace: Trace, policies: tuple[str, ...] = POLICIES,
                     batch[g] = batch.get(g, 0) + nbytes(x.aval)
                 else:
                     base[g] = base.get(g, 0) + nbytes(x.aval)
+                    recv[g] = recv.get(g, 0) + nbytes(x.aval)
         inner = getattr(n.spec.layer.fn, "steps", None)     # a fused run's layer calls
         stash[g] = stash.get(g, 0) + (
             sum(nbytes(a) for sub, _ in inner for a in sub.out_avals if a.shape)
@@ -151,7 +156,7 @@ def stage_footprints(trace: Trace, policies: tuple[str, ...] = POLICIES,
     return {g: StageFootprint(g, params.get(g, 0),
                               tuple((p, base.get(g, 0) + res.get(g, {}).get(p, 0))
                                     for p in policies), outs.get(g, 0), stash.get(g, 0),
-                              batch.get(g, 0))
+                              batch.get(g, 0), recv.get(g, 0))
             for g in stages}
 
 

@@ -42,7 +42,8 @@ def step_memory(footprints: Mapping[int, StageFootprint], schedule: Schedule, p:
     kept = {g: f.kept_by(policy_of(remat, g)) * scale for g, f in footprints.items()}
     stash = {g: f.stash * scale for g, f in footprints.items()}
     whole = {g: f.inputs * m * scale for g, f in footprints.items()}
-    return memory_peaks(schedule, p, m, params, kept, fused, stash, inside_calls, whole)
+    recv = {g: f.received * scale for g, f in footprints.items()}
+    return memory_peaks(schedule, p, m, params, kept, fused, stash, inside_calls, whole, recv)
 
 
 def check_memory(trace: Trace, schedule: Schedule, m: int, remat: RematPolicy,

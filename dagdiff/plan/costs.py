@@ -53,7 +53,8 @@ class StageProfile:
     XLA's cost estimate for "selective"); ``peak_memory``: the most bytes its worker
     held in the profiled steps (measured, `Recording.peak_memory`); ``stash_bytes``: what
     a split backward's I leaves for its W per microbatch; ``input_bytes``: one
-    microbatch of the batch inputs it reads (the step holds the whole batch)."""
+    microbatch of the batch inputs it reads (the step holds the whole batch);
+    ``received_bytes``: the activations a microbatch brings from earlier stages."""
 
     stage: int
     worker: str
@@ -72,6 +73,7 @@ class StageProfile:
     peak_memory: int = 0
     stash_bytes: int = 0
     input_bytes: int = 0
+    received_bytes: int = 0
 
     def cost(self, kind: str, policy: str = "none") -> float:
         """Seconds of one action of `kind` (F, B, I or W), the backward's (B, I) with
@@ -321,6 +323,7 @@ class Profile:
                 kept=footprints[g].kept if g in footprints else (),
                 stash_bytes=footprints[g].stash if g in footprints else 0,
                 input_bytes=footprints[g].inputs if g in footprints else 0,
+                received_bytes=footprints[g].received if g in footprints else 0,
                 recompute=(("full", 1.0), *sorted(shares.get(g, {}).items())),
                 peak_memory=peaks.get(str(build.targets.address(g)), 0)))
         if hops:

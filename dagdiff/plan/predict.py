@@ -188,7 +188,8 @@ def _memory(prof: Profile, sched: Schedule, p: int, m: int, remat: dict[int, str
              if dask.config.get("dagdiff.fuse-loss-backward", True) else set())
     stash = {s.stage: s.stash_bytes * scale for s in prof.stages}
     whole = {s.stage: s.input_bytes * scale * m for s in prof.stages}
-    return memory_peaks(sched, p, m, params, kept, fused, stash, inside_calls, whole)
+    recv = {s.stage: s.received_bytes * scale for s in prof.stages}
+    return memory_peaks(sched, p, m, params, kept, fused, stash, inside_calls, whole, recv)
 
 
 def _hosts(prof: Profile, p: int) -> list[Any] | None:

@@ -1,20 +1,23 @@
 """The bytes each worker holds over a schedule's order: its peak, from per-stage sizes.
 
 Pure arithmetic on a schedule's table (no JAX): what `dd.predict(...).memory` reports and
-what a build checks against a worker's memory limit. Per action of a worker, in order:
+what a build checks against a worker's memory limit. A worker starts holding its stages'
+parameters and the batch they read; then, per action, in order:
 
 - F of stage g: its live microbatch keeps ``kept[g]`` until its backward. A forward
-  fused with its backward (the loss's stage, F then B at once) keeps nothing but the
-  gradients it computed (``params[g]``, held until its B hands them on).
-- B (or W) of stage g: the microbatch's weight gradients (``params[g]``) appear and
-  its ``kept[g]`` goes (the pullback is dropped); then the accumulator adds the
-  gradients to the previous sum (a new sum while the old one is still held), and the
-  gradients and the old sum go. I (a split
-  backward's input part) frees nothing: its W still needs the residuals, and I leaves
-  ``stash[g]`` beside them (the cotangents W multiplies by), held until W.
+  fused with its backward (the loss's stage, where F and B run back to back) keeps only
+  the gradients it computed (``params[g]``) and the activations it received, until its
+  B task hands them on; fused with a split backward's I, the stash its W needs instead
+  of the gradients.
+- B (or W) of stage g: the microbatch's weight gradients (``params[g]``) appear and its
+  ``kept[g]`` goes (the pullback is dropped); then the accumulator adds the gradients to
+  the previous sum (a new sum while the old one is still held), and the gradients and
+  the old sum go.
+- I (a split backward's input part) frees nothing: its W still needs the residuals, and
+  it leaves ``stash[g]`` beside them (the cotangents W multiplies by), held until W.
 
-A worker starts holding its stages' parameters (and the batch its stages read). The peak is the largest total at any
-of these points: where each task has its result and its inputs are still held.
+The peak is the largest total at any of these points: where each task has its result
+and its inputs are still held.
 """
 from __future__ import annotations
 
@@ -42,7 +45,8 @@ class MemoryPeak:
 def memory_peaks(schedule: Schedule, p: int, m: int, params: Mapping[int, float],
                  kept: Mapping[int, float], fused: Collection[tuple[int, int]] = (),
                  stash: Mapping[int, float] | None = None, inside_calls: bool = True,
-                 held_whole: Mapping[int, float] | None = None) -> list[MemoryPeak]:
+                 held_whole: Mapping[int, float] | None = None,
+                 received: Mapping[int, float] | None = None) -> list[MemoryPeak]:
     """Per worker of `schedule` on `p` workers with `m` microbatches: its `MemoryPeak`.
     `params[g]` / `kept[g]`: bytes of stage g's parameters and of what one live
     microbatch keeps (`dagdiff.core.footprint`); `fused`: (stage, microbatch) pairs
@@ -51,9 +55,11 @@ def memory_peaks(schedule: Schedule, p: int, m: int, params: Mapping[int, float]
     leaves out what exists only inside one call (a fused forward and backward's
     residuals): the peak as samples between tasks see it, where no allocator reports
     its own peak (CPU). `held_whole[g]`: bytes stage g holds for the whole step (its
-    batch inputs)."""
+    batch inputs); `received[g]`: the part of `kept[g]` that a microbatch brought from
+    other stages, which a fused forward holds until its backward task has run."""
     layout = schedule.checked_layout(p)
     held_whole = held_whole or {}
+    received = received or {}
     stash = stash or {}
     split = schedule.split_backward
     out = []
@@ -79,7 +85,7 @@ def memory_peaks(schedule: Schedule, p: int, m: int, params: Mapping[int, float]
             if a.kind == "F":
                 live += 1
                 if is_fused:                         # inside the fused call, then after
-                    keeps = sg if split else pg
+                    keeps = (sg if split else pg) + float(received.get(g, 0))
                     note(held + (kg if inside_calls else 0.0) + keeps, label)
                     held += keeps
                 else:
@@ -95,6 +101,8 @@ def memory_peaks(schedule: Schedule, p: int, m: int, params: Mapping[int, float]
                 note(held, label)
                 if not is_fused:                    # its pullback (residuals) is let go
                     held, acts = held - kg, acts - kg
+                elif a.kind in ("B", "W"):          # the inputs its fused forward kept
+                    held -= float(received.get(g, 0))
                 if a.kind == "W":
                     held -= sg
                 live -= 1
