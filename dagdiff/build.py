@@ -369,8 +369,7 @@ def build(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
             templates.sharing({n: _key_of(v[0]) for n, v in inputs.items()}))
         tpl = templates.lookup(tkey)
         if tpl is not None:
-            graph, keys = tpl.bind(token, model.batch, {n: _key_of(v[0])
-                                                        for n, v in inputs.items()})
+            graph, keys = tpl.bind(token, model.batch, {n: v[0] for n, v in inputs.items()})
             return Build(model, options, targets, graph, keys, token, mode)
 
     if options.pipelined and client is not None and targets.on_workers:

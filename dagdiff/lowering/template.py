@@ -141,20 +141,25 @@ class StepTemplate:
         return cls(token, name, dsk, dict(priority), frozenset(plan.priority), plan.base,
                    dict(where), slots, dict(refs), keys)
 
-    def bind(self, token: str, values: Mapping[Hashable, Any], refs: Mapping[Hashable, str],
+    def bind(self, token: str, values: Mapping[Hashable, Any], refs: Mapping[Hashable, Any],
              keys: Mapping[str, str] | None = None) -> tuple[HighLevelGraph, Any]:
         """The step's graph and output keys for `token`, with `values` (slot -> value) and
-        `refs` (slot -> Future key) in place of the template's; `keys`: template keys
-        renamed otherwise than by token (e.g. a key naming the step's number)."""
+        `refs` (slot -> Future, or its key) in place of the template's; `keys`: template
+        keys renamed otherwise than by token (e.g. a key naming the step's number). The
+        graph holds the Futures it is given, so they live as long as the step does."""
         old, new = self.token, token
 
         def rename(k: str) -> str:
             return k.replace(old, new).replace(old[:12], new[:12])
 
         subs: dict[str, Any] = {k: rename(k) for k in self.dsk}
+        held: dict[str, TaskRef] = {}           # a template's Future key -> this step's
         for key, slot in self.refs.items():
-            subs[key] = refs[slot]
+            ref = refs[slot]
+            subs[key] = str(getattr(ref, "key", ref))
+            held[key] = ref if isinstance(ref, TaskRef) else TaskRef(subs[key])
         subs.update(keys or {})
+        deps = {**subs, **held}
         base = next_base()
         dsk: dict[str, Any] = {}
         for k, t in self.dsk.items():
@@ -165,11 +170,12 @@ class StepTemplate:
                 prog: Program = t.args[0]
                 prog = dataclasses.replace(prog, key=k1, step=new)
                 args = [host_view(values[a.slot]) if isinstance(a, _Slot)
-                        else (TaskRef(subs.get(a.key, a.key)) if isinstance(a, TaskRef) else a)
+                        else (held[a.key] if isinstance(a, TaskRef) and a.key in held else
+                              TaskRef(subs.get(a.key, a.key)) if isinstance(a, TaskRef) else a)
                         for a in t.args[2:]]
                 dsk[k1] = Task(k1, run_program, prog, TaskRef(subs[t.args[1].key]), *args)
             elif isinstance(t, Task):
-                dsk[k1] = t.substitute(subs, key=k1)
+                dsk[k1] = t.substitute(deps, key=k1)
             else:
                 dsk[k1] = t
         priority = {subs.get(k, k): (v - self.base + base if k in self.relative else v)

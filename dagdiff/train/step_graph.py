@@ -68,7 +68,7 @@ class StepGraph:
             if tpl is not None:
                 values = {(r, node): shard(x, self.options.batch_axis, r, r_count)
                           for r in range(r_count) for node, x in zip(model.batch_nodes, leaves)}
-                refs = {rg: str(v.key) for rg, v in (state.placed or {}).items()}
+                refs = {rg: v for rg, v in (state.placed or {}).items()}
                 lk = make_key("loss", "step", state.step, token)
                 graph, keys = tpl.bind(token, values, refs, {tpl.keys[0]: lk})
                 order = [(r, g) for r in range(r_count) for g in range(len(model.groups))]
