@@ -204,7 +204,7 @@ def estimates(client: Any, params: Any, batch: Any, m: int) -> None:
                 peaks, _, _ = run(client, loss, args, sched, m, remat, 0)
                 model = trace_model(loss, args, {}, Options.make(
                     "bench", microbatches=m, schedule=sched, remat=remat), None)
-                fps = stage_footprints(model.trace, current=remat)
+                fps = stage_footprints(model.trace)
                 pred = step_memory(fps, sched, 2, m, remat, loss_fused(
                     model.trace, sched, m, model.trace.nodes[model.loss.node].stage),
                     inside_calls=False)

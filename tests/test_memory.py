@@ -166,7 +166,7 @@ def test_measured_peaks_match_the_prediction_and_remat_lowers_them(client2: Any)
             measured[(name, remat)] = slots
             model = trace_model(loss, args, {}, Options.make(
                 "t", microbatches=8, schedule=sched, remat=remat), None)
-            fps = stage_footprints(model.trace, current=remat)
+            fps = stage_footprints(model.trace)
             pred = step_memory(fps, sched, 2, 8, remat,
                                loss_fused(model.trace, sched, 8, 1), inside_calls=False)
             for w in range(2):

@@ -37,18 +37,16 @@ def resident_inputs(trace: Any, client: Any, targets: Targets, home: Mapping[int
             continue
         addr = targets.address(home.get(n.index))
         used.setdefault(id(n.value), set()).add(addr)
-        hit = cache.get(id(n.value), {}).get(addr)
         stamp = None if isinstance(n.value, jax.Array) else _np_stamp(n.value)
-        if (hit is not None and hit[0]() is n.value and hit[2] == stamp
-                and hit[1].status == "finished"):
-            out[n.index] = (hit[1], -1)
+        hit = _valid(cache, n.value, addr, stamp)
+        if hit is not None:
+            out[n.index] = (hit, -1)
             continue
         todo.append((n.index, n.value, addr, stamp))
     for idx, value, addr, stamp in todo:
-        here = cache.get(id(value), {}).get(addr)
-        if here is not None and here[0]() is value and here[2] == stamp \
-                and here[1].status == "finished":  # scattered for another node just now
-            out[idx] = (here[1], -1)
+        hit = _valid(cache, value, addr, stamp)       # scattered for another node just now
+        if hit is not None:
+            out[idx] = (hit, -1)
             continue
         fut = client.scatter(value, workers=[addr] if addr is not None else None, hash=False)
         try:
@@ -67,6 +65,16 @@ def resident_inputs(trace: Any, client: Any, targets: Targets, home: Mapping[int
             for addr in [a for a in entry if a not in addrs]:
                 del entry[addr]
     return out
+
+
+def _valid(cache: Mapping[int, Mapping[Any, tuple[Any, Any, Any]]], value: Any, addr: Any,
+           stamp: Any) -> Any:
+    """The cached Future of `value` on `addr`, if it still holds this very value."""
+    hit = cache.get(id(value), {}).get(addr)
+    if hit is not None and hit[0]() is value and hit[2] == stamp \
+            and hit[1].status == "finished":
+        return hit[1]
+    return None
 
 
 def _np_stamp(a: Any) -> str:

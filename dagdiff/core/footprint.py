@@ -11,14 +11,13 @@ dimensions under ``"selective"``. The residuals are read off `jax.vjp` under
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 import numpy as np
 
-from .remat import POLICIES, RematPolicy, policy_of, with_policy
+from .remat import POLICIES, with_policy, without_policy
 from .spec import CallSpec
 from .tracer import Trace, Traced, aval_of, home_stages
 
@@ -101,12 +100,11 @@ def _residual_bytes(spec: CallSpec, avals: list[Any]) -> int:
     return sum(nbytes(s) for s in shapes if hasattr(s, "shape"))
 
 
-def stage_footprints(trace: Trace, policies: tuple[str, ...] = POLICIES,
-                     current: RematPolicy = "none") -> dict[int, StageFootprint]:
+def stage_footprints(trace: Trace, policies: tuple[str, ...] = POLICIES
+                     ) -> dict[int, StageFootprint]:
     """Per stage of `trace` (stages, runs fused or not): its `StageFootprint`, the
     residuals worked out for each of `policies` (applied on top of the layers' own
-    ``remat``; `current`: the policy the trace's specs already carry, so that "none"
-    is measured on specs without it)."""
+    ``remat``, to each call as it was before a build gave it its stage's policy)."""
     params: dict[int, int] = {}
     for node, stage in home_stages(trace).items():
         if stage is not None and trace.nodes[node].kind == "param":
@@ -148,7 +146,7 @@ def stage_footprints(trace: Trace, policies: tuple[str, ...] = POLICIES,
                 outs[g] = outs.get(g, 0) + nbytes(aval)
         avals = [x.aval if isinstance(x, Traced) else aval_of(x)
                  for x, k in zip(n.in_leaves, n.spec.kinds) if k == "d"]
-        spec = _plain(n.spec, policy_of(current, g))
+        spec = without_policy(n.spec)        # the residuals of each policy, from scratch
         per = res.setdefault(g, {})
         for policy in policies:
             per[policy] = per.get(policy, 0) + residual_bytes(with_policy(spec, policy), avals)
@@ -158,22 +156,6 @@ def stage_footprints(trace: Trace, policies: tuple[str, ...] = POLICIES,
                                     for p in policies), outs.get(g, 0), stash.get(g, 0),
                               batch.get(g, 0), recv.get(g, 0))
             for g in stages}
-
-
-def _plain(spec: CallSpec, applied: str) -> CallSpec:
-    """`spec` as it was before `applied` (the stage policy a build gave it) was applied."""
-    if applied == "none":
-        return spec
-
-    if applied == "full" and spec.fingerprint.endswith("-rf"):
-        new = dataclasses.replace(spec, remat=False, fingerprint=spec.fingerprint[:-3])
-    elif spec.checkpoint:
-        new = dataclasses.replace(spec, checkpoint="", fingerprint=spec.fingerprint[:-3])
-    else:
-        return spec
-    object.__setattr__(new, "_treedef", spec.__dict__.get("_treedef"))
-    return new
-
 
 
 def _work(fn: Any, *avals: Any) -> float:

@@ -20,7 +20,7 @@ from .spec import CallSpec
 
 
 __all__ = ["POLICIES", "RematPolicy", "check_remat", "policy_of", "with_policy",
-           "apply_remat"]
+           "without_policy", "apply_remat"]
 
 #: the policy names `remat=` takes
 POLICIES = ("none", "full", "selective")
@@ -71,7 +71,13 @@ def with_policy(spec: CallSpec, policy: str) -> CallSpec:
         new = dataclasses.replace(spec, checkpoint=policy,
                                   fingerprint=f"{spec.fingerprint}-r{policy[0]}")
     object.__setattr__(new, "_treedef", spec.__dict__.get("_treedef"))
+    object.__setattr__(new, "_plain", spec)      # this process only (not pickled)
     return new
+
+
+def without_policy(spec: CallSpec) -> CallSpec:
+    """`spec` as it was before `with_policy` gave it a policy (itself if it has none)."""
+    return spec.__dict__.get("_plain", spec)
 
 
 def apply_remat(trace: Any, remat: RematPolicy) -> None:

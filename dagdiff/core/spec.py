@@ -39,7 +39,7 @@ class CallSpec:
         return td
 
     def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "_treedef"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_treedef", "_plain")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         for k, v in state.items():

@@ -58,7 +58,7 @@ def check_memory(trace: Trace, schedule: Schedule, m: int, remat: RematPolicy,
     if not n or n % v:
         return []
     p = n // v
-    fps = stage_footprints(trace, policies=_used(remat, n), current=remat)
+    fps = stage_footprints(trace, policies=_used(remat, n))
     peaks = step_memory(fps, schedule, p, m, remat, loss_fused(trace, schedule, m, loss_stage))
     info = workers_info(client, cached=True) if client is not None else {}
     layout = schedule.checked_layout(p)

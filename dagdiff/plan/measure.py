@@ -10,6 +10,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
+from ..core.footprint import nbytes
 from ..core.tracer import Trace, home_stages
 from ..inspect.record import Recording
 
@@ -18,10 +19,6 @@ __all__ = ["KINDS", "Segments", "edge_bytes", "stage_facts", "nbytes", "ActionTi
 #: the action kinds a profile times (forward, full backward, input grad, weight grad)
 KINDS = ("F", "B", "I", "W")
 
-
-
-def nbytes(aval: Any) -> int:
-    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
 
 
 def edge_bytes(trace: Trace) -> dict[tuple[int, int], int]:
