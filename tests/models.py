@@ -172,7 +172,7 @@ def assert_matches_jax(fn: Any, args: tuple[Any, ...], got_l: Any, got_g: Any) -
 
 def probe_every(seconds: float, after: float | None = None) -> tuple[float, float]:
     """Set direct dispatch's probe timing in this process; returns the old values."""
-    from dagdiff.runtime.direct import runtime as rt_mod
+    from dagdiff.runtime.direct import run as rt_mod
 
     old = (rt_mod.PROBE_AFTER, rt_mod.PROBE_EVERY)
     rt_mod.PROBE_AFTER, rt_mod.PROBE_EVERY = seconds, (seconds if after is None else after)
