@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import dagdiff as dd
-from dagdiff.runtime.direct import Action as DirectAction, Program, run_program
+from dagdiff.runtime.direct import Consumers, PlannedAction, Program, run_program
 from dagdiff.runtime.direct import runtime as rt_mod
 from dagdiff.runtime.direct.messages import Value, pack
 from tests.models import assert_matches_jax, data, make_loss, probe_every
@@ -51,8 +51,8 @@ def test_a_missing_input_times_out_with_the_facts(inproc: Any) -> None:
     a0, a1 = _addresses(inproc)
     src = "fwd_dense-s0-m0-n0-abc"
     key = "fwd_dense-s1-m0-n1-abc"
-    action = DirectAction(key, Task(key, _identity, TaskRef(src)), ((src, "slot0"),), 0, (),
-                          True)
+    action = PlannedAction(key, ((src, "slot0"),), 0, (), True,
+                           task=Task(key, _identity, TaskRef(src)))
     prog = Program("prog_slot1-n1-abc", "s-test", "slot1", a1, (action,), (), timeout=0.3,
                    members=(("slot0", a0),))
     t0 = time.perf_counter()
@@ -86,8 +86,8 @@ def test_a_dead_producer_is_noticed_while_waiting(client2: Any) -> None:
         src = "vjp_dense-s1-m0-n1-abc"
         key = "vjp_dense-s0-m0-n0-abc"
         dead = f"tcp://127.0.0.1:{port}"
-        action = DirectAction(key, Task(key, _identity, TaskRef(src)), ((src, "slot1"),), 0,
-                              (), True)
+        action = PlannedAction(key, ((src, "slot1"),), 0, (), True,
+                               task=Task(key, _identity, TaskRef(src)))
         prog = Program("prog_slot0-n0-abc", "s-probe", "slot0", a0, (action,), (),
                        timeout=60, members=(("slot1", dead),))
         t0 = time.perf_counter()
@@ -107,17 +107,16 @@ def _fails(x: Any) -> Any:
 def test_a_failed_program_does_not_wait_to_tell_unreachable_consumers(client2: Any) -> None:
     """A failed program queues its error notices and returns: 30 actions whose consumer
     cannot be reached cost nothing."""
-    from dagdiff.runtime.direct.program import Remote
     from dagdiff.runtime.taskspec import Task
 
     with socket_closed_port() as port:
         pass
     a0, _ = _addresses(client2)
     dead = f"tcp://127.0.0.1:{port}"
-    remote = (Remote("slot1", dead, 1),)
-    actions = tuple(DirectAction(f"fwd_dense-s0-m{i}-n0-abc",
-                                 Task(f"fwd_dense-s0-m{i}-n0-abc", _fails, i), (), 0,
-                                 remote, False) for i in range(30))
+    remote = (Consumers("slot1", 1, address=dead),)
+    actions = tuple(PlannedAction(f"fwd_dense-s0-m{i}-n0-abc", (), 0, remote, False,
+                                  task=Task(f"fwd_dense-s0-m{i}-n0-abc", _fails, i))
+                    for i in range(30))
     prog = Program("prog_slot0-n0-abc", "s-fail-fast", "slot0", a0, actions, (), timeout=60,
                    members=(("slot1", dead),))
     t0 = time.perf_counter()

@@ -12,9 +12,12 @@ bookkeeping. Here a step is a handful of Dask tasks per worker:
 * `graph`: the rewritten Dask graph: a program task per worker, a ``run_`` nonce task
   (one per submission, so a step computed again is a new run), the step's outputs as
   ordinary tasks that wait for every program;
-* `program`: the frozen records of a worker's program (actions, inputs, consumers);
-* `runtime`: the worker extension that runs programs and keeps each run's state
-  (deadlines, failures, cancellation, the closing exchange);
+* `program`: the frozen record of a worker's program (the plan's actions bound to their
+  tasks, the step's inputs, its peers);
+* `run`: one run of a program on a worker (`ProgramRun`): its inbox, the interpreter,
+  waits with probes of a silent producer, the outbox and the closing exchange;
+* `runtime`: the worker extension that routes messages to runs by run id, runs programs
+  and answers other workers' and the scheduler's calls (a run's status, a lost peer);
 * `results`: what a program task returns (the values the outputs read in place; an empty
   stub when sent to another worker, whose outputs wait on it for order alone);
 * `transport` + `messages`: ordered typed messages between workers over
@@ -24,11 +27,11 @@ from __future__ import annotations
 
 from ...errors import DirectDispatchError, UpstreamError
 from .graph import RESOURCE_SHARE, DirectGraph, next_base, rewrite
-from .plan import linearize, plan_programs
-from .program import Action, Program
+from .plan import Consumers, PlannedAction, linearize, plan_programs
+from .program import Program
 from .runtime import EXTENSION, DirectRuntime, compute_log, install, run_program
 
 
 __all__ = ["DirectDispatchError", "UpstreamError", "RESOURCE_SHARE", "DirectGraph", "next_base",
-           "rewrite", "linearize", "plan_programs", "EXTENSION", "Action",
+           "rewrite", "linearize", "plan_programs", "EXTENSION", "PlannedAction", "Consumers",
            "DirectRuntime", "Program", "compute_log", "install", "run_program"]

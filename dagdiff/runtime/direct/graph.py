@@ -13,7 +13,7 @@ from ..tasks import leaves_read
 from ..taskspec import DataNode, Task, TaskRef
 from .plan import ProgramPlan, plan_programs
 from .results import Export, ProgramResult
-from .program import Action, Program, Remote
+from .program import Program
 from .runtime import _timeout, new_nonce, run_program
 
 
@@ -115,10 +115,10 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
         for pa in pp.actions:
             t = dsk.pop(pa.key)
             kwargs = {n: v for n, v in t.kwargs.items() if not _ordering_only(n, v, plan.direct)}
-            actions.append(Action(pa.key, Task(pa.key, t.func, *t.args, **kwargs), pa.inputs,
-                                  pa.local,
-                                  tuple(Remote(c.where, addr(c.where), c.uses, c.leaves)
-                                        for c in pa.remote), pa.export))
+            actions.append(dataclasses.replace(
+                pa, task=Task(pa.key, t.func, *t.args, **kwargs),
+                remote=tuple(dataclasses.replace(c, address=addr(c.where))
+                             for c in pa.remote)))
             if pa.export:
                 exported[pa.key] = i
         pk = make_key("program", sanitize(w), i, token)

@@ -1,4 +1,8 @@
-"""Which tasks of a step each worker's program runs, in which order, and who reads what (pure)."""
+"""Which tasks of a step each worker's program runs, in which order, and who reads what (pure).
+
+Its records are also what a program runs: `graph.rewrite` binds each `PlannedAction` to its
+Dask task and each `Consumers` to its worker's address (`dataclasses.replace`), and the
+worker's `run.ProgramRun` interprets them; one set of types from the plan to the run."""
 from __future__ import annotations
 
 import collections
@@ -7,6 +11,7 @@ from typing import Collection, Mapping
 
 from ...core.dag import topological
 from ...errors import DirectDispatchError
+from ..taskspec import Task
 
 
 __all__ = ["Consumers", "PlannedAction", "ProgramPlan", "Plan", "plan_programs", "linearize"]
@@ -16,20 +21,23 @@ __all__ = ["Consumers", "PlannedAction", "ProgramPlan", "Plan", "plan_programs",
 class Consumers:
     """The consumers of a value on one other worker."""
 
-    where: str                               # that worker
+    where: str                               # that worker (its slot, or address)
     uses: int                                # how many of its actions read the value
     leaves: frozenset[int] | None = None     # the leaves they read (None: all)
+    address: str = ""                        # its Dask address (bound by `graph.rewrite`)
 
 
 @dataclasses.dataclass(frozen=True)
 class PlannedAction:
-    """One task of a program: where its inputs come from and where its value goes."""
+    """One task of a program: where its inputs come from and where its value goes, and
+    once bound, the Dask task it runs (ordering-only edges dropped)."""
 
     key: str
     inputs: tuple[tuple[str, str], ...]      # (producer key, producer's worker)
     local: int                               # consumer actions on this worker
     remote: tuple[Consumers, ...]            # consumers on other workers
     export: bool                             # an ordinary task (an output) reads it
+    task: Task | None = None                 # bound by `graph.rewrite`
 
 
 @dataclasses.dataclass(frozen=True)

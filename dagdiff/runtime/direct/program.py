@@ -1,37 +1,15 @@
-"""The program of one worker in one step: its actions in run order, where each action's
-inputs come from and where its value goes (frozen records, built by `graph.rewrite`
-from the pure `plan`, run by `runtime.DirectRuntime`)."""
+"""The program of one worker in one step: its actions in run order (the plan's
+`PlannedAction`s bound to their tasks and addresses), the step's inputs it reads and its
+peers (a frozen record, built by `graph.rewrite` from the pure `plan`, run by
+`run.ProgramRun`)."""
 from __future__ import annotations
 
 import dataclasses
 
-from ..taskspec import Task
+from .plan import PlannedAction
 
 
-__all__ = ["Remote", "Action", "Program"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Remote:
-    """Consumers of an action's value on another worker."""
-
-    where: str                              # the worker's slot (or address)
-    address: str                            # its Dask address
-    uses: int                               # consumer actions there
-    leaves: frozenset[int] | None = None    # the leaves they read (None: all)
-
-
-@dataclasses.dataclass(frozen=True)
-class Action:
-    """One task of a program: the Dask task (ordering-only edges dropped), where its
-    inputs come from, and where its value goes."""
-
-    key: str
-    task: Task
-    inputs: tuple[tuple[str, str], ...]     # (producer key, producer's worker)
-    local: int                              # consumer actions on this worker
-    remote: tuple[Remote, ...]              # consumers on other workers
-    export: bool                            # an ordinary task (an output) reads it
+__all__ = ["Program"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +20,7 @@ class Program:
     step: str                               # token shared by the step's programs
     where: str                              # worker slot (or address)
     address: str                            # the worker it was built for
-    actions: tuple[Action, ...]
+    actions: tuple[PlannedAction, ...]     # each bound to its task
     statics: tuple[str, ...]                # keys of the step's inputs, in argument order
     timeout: float
     #: (where, address) of the step's other programs (the closing exchange, probes)

@@ -15,9 +15,9 @@ from typing import Any, Callable
 from distributed.metrics import time as now
 
 from ...errors import DirectDispatchError, UpstreamError
-from ..taskspec import Task
 from .messages import End, Failure, Message, Value, pack
-from .program import Action, Program
+from .plan import PlannedAction
+from .program import Program
 
 
 __all__ = ["ProgramRun", "Send", "Probe", "PROBE_AFTER", "PROBE_EVERY"]
@@ -122,7 +122,7 @@ class ProgramRun:
             raise failure
         return exports
 
-    def _check(self, prog: Program, a: Action) -> None:
+    def _check(self, prog: Program, a: PlannedAction) -> None:
         """Raise if the step was cancelled, failed elsewhere (no need to wait for the rest
         of it), could not send one of this program's values, or lost a worker."""
         if self.abort is not None:
@@ -141,7 +141,7 @@ class ProgramRun:
                         "step.compute(retries=) do, on the live workers).")
 
     # --- waiting ----------------------------------------------------------------------------
-    def _await(self, prog: Program, a: Action, ready: Callable[[], bool], src: str,
+    def _await(self, prog: Program, a: PlannedAction, ready: Callable[[], bool], src: str,
                what: str, on_timeout: str, on_state: Callable[[str, str], None]) -> None:
         """Wait (holding the condition) until `ready()`; raise on a cancellation, a failure
         elsewhere, a lost worker or the deadline; while waiting, probe `src`'s worker now
@@ -167,7 +167,7 @@ class ProgramRun:
                 continue
             self.cond.wait(min(deadline - t, next_probe - t, 1.0))
 
-    def _take_remote(self, prog: Program, a: Action, key: str, src: str) -> Any:
+    def _take_remote(self, prog: Program, a: PlannedAction, key: str, src: str) -> Any:
         """An input from another worker: its message (or its error)."""
 
         def on_state(state: str, why: str) -> None:
@@ -203,7 +203,7 @@ class ProgramRun:
                 del self.values[key]
             return value[0]
 
-    def _take_end(self, prog: Program, a: Action, where: str) -> None:
+    def _take_end(self, prog: Program, a: PlannedAction, where: str) -> None:
         """`where`'s end mark (raises the error it carries)."""
 
         def on_state(state: str, why: str) -> None:
@@ -246,14 +246,14 @@ class ProgramRun:
 
         self._send_to(address, msg, done)
 
-    def _post(self, a: Action, value: Any) -> None:
+    def _post(self, a: PlannedAction, value: Any) -> None:
         """Queue the value (only the leaves each worker reads) for its consumers on other
         workers; the event loop writes it while the program goes on."""
         for r in a.remote:
             self._send((r.where, r.address),
                        Value(self.run, a.key, r.uses, pack(value, r.leaves)), counted=True)
 
-    def _send_error(self, prog: Program, a: Action, error: BaseException) -> None:
+    def _send_error(self, prog: Program, a: PlannedAction, error: BaseException) -> None:
         """Tell the remote consumers of an action that will not run why (best effort;
         none after a cancellation, which stops every program of the step)."""
         if self.abort is not None:
@@ -301,8 +301,7 @@ class ProgramRun:
             return failure
         for target in prog.members:
             self._send(target, End(self.run, prog.where), counted=True)
-        end = Action(f"{prog.key} (closing exchange)", Task(prog.key + "-end", _noop),
-                     (), 0, (), False)
+        end = PlannedAction(f"{prog.key} (closing exchange)", (), 0, (), False)
         try:
             for where, _ in prog.members:
                 self._take_end(prog, end, where)
@@ -339,6 +338,3 @@ def _describe(error: BaseException, what: str) -> str:
         return str(error)
     return f"{what}: {type(error).__name__}: {error}"
 
-
-def _noop() -> None:
-    return None
