@@ -4,6 +4,7 @@ Trainer branches), for every schedule and both dispatch modes, against jax."""
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable, Iterator
 
 import dask
@@ -92,6 +93,44 @@ def test_the_same_delayed_computed_twice(client2: Any, schedule: str, dispatch: 
         wait(held)
     for got in (first, second, third, list(fourth), client2.gather(held)):
         _check(got, make_loss(2), params, x, t)
+
+
+def _until_forgotten(client: Any, key: str) -> None:
+    def known(dask_scheduler: Any) -> bool:
+        return key in dask_scheduler.tasks
+
+    for _ in range(200):
+        if not client.run_on_scheduler(known):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the scheduler still holds {key}")
+
+
+def _ended_generations(dask_worker: Any) -> dict[str, int]:
+    return dict(dask_worker.extensions["dagdiff"]._ended)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_an_output_released_and_asked_for_again(client2: Any, schedule: str,
+                                                 no_run_spec_warning: None) -> None:
+    """The loss released while the gradients are held, then the loss asked for again: the
+    scheduler still knows the step's programs (the held gradients depend on them) and runs
+    them again with the same tasks, so the same run nonce: every worker counts a second
+    generation of the run, and the programs meet again."""
+    params, x, t = data(2)
+    with client2.as_current():
+        loss, grads = _step(schedule, "direct")(params, x, t)
+        lf, gf = client2.compute([loss, grads])
+        _check((lf.result(), gf.result()), make_loss(2), params, x, t)
+        before = client2.run(_ended_generations)
+        del lf
+        _until_forgotten(client2, loss.key)
+        again = client2.compute(loss)
+        _check((again.result(timeout=120), gf.result()), make_loss(2), params, x, t)
+        after = client2.run(_ended_generations)
+    for w in after:                     # this step's runs ended twice on each worker
+        grown = {b: n for b, n in after[w].items() if n > before[w].get(b, 0)}
+        assert list(grown.values()) == [2], (w, grown)
 
 
 @pytest.mark.parametrize("dispatch", DISPATCH)
