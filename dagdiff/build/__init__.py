@@ -6,6 +6,7 @@ first half (`trace_model`: tracing, module arguments, stages and fusion) and its
 (`step_token`, `program_homes`, `resolve_dispatch`), then resolves its own targets
 (replica groups) and lowers replicas, all-reduce and updates itself
 (`dagdiff.train.trainer`), assembling with `dagdiff.lowering.graph` as `build` does.
+`options`: the options a build takes (`Options`).
 """
 from __future__ import annotations
 
@@ -21,29 +22,28 @@ import jax
 from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
 
-from .cluster.info import workers_info
-from .cluster.residency import resident_inputs
-from .cluster.targets import Targets, resolve_targets
-from .core.auto import CostSource, auto_stages, is_cost_source
-from .core.backward import BackwardPlan, build_backward
-from .core.forms import ModelForm, lower_args
-from .core.fuse import fuse_trace
-from .core.remat import RematPolicy, apply_remat, check_remat
-from .core.keys import make_key
-from .core.microbatch import microbatch_avals
-from .core.stage import check_stage
-from .core.trace_fn import argnames, argnums_of, check_loss, is_input, split_aux, trace_call
-from .core.tracer import Trace, Traced, home_stages, is_array
-from .errors import ArgumentError, LayerShapeError
-from .lowering import template as templates
-from .lowering.collection import DelayedTree, needs_collection
-from .lowering.graph import OutKey, assemble, assemble_direct, to_delayed
-from .lowering.lower import lower, select, trace_token
-from .lowering.memory import check_memory
-from .lowering.pipeline import lower_pipeline, stage_workers
-from .runtime.plugins import ensure_colocation
-from .runtime.shippable import check_shippable
-from .schedules import Schedule, get_schedule
+from ..cluster.info import workers_info
+from ..cluster.residency import resident_inputs
+from ..cluster.targets import Targets, resolve_targets
+from ..core.auto import auto_stages, is_cost_source
+from ..core.backward import BackwardPlan, build_backward
+from ..core.forms import ModelForm, lower_args
+from ..core.fuse import fuse_trace
+from ..core.remat import apply_remat
+from ..core.keys import make_key
+from ..core.microbatch import microbatch_avals
+from ..core.trace_fn import argnames, argnums_of, check_loss, is_input, split_aux, trace_call
+from ..core.tracer import Trace, Traced, home_stages, is_array
+from ..errors import LayerShapeError
+from ..lowering import template as templates
+from ..lowering.collection import DelayedTree, needs_collection
+from ..lowering.graph import OutKey, assemble, assemble_direct, to_delayed
+from ..lowering.lower import lower, select, trace_token
+from ..lowering.memory import check_memory
+from ..lowering.pipeline import lower_pipeline, stage_workers
+from ..runtime.plugins import ensure_colocation
+from ..runtime.shippable import check_shippable
+from .options import DISPATCH_MODES, LOWERING_SETTINGS, Options
 
 
 __all__ = ["Options", "Model", "Build", "build", "trace_model", "targets_and_inputs",
@@ -51,86 +51,6 @@ __all__ = ["Options", "Model", "Build", "build", "trace_model", "targets_and_inp
            "LOWERING_SETTINGS"]
 
 log = logging.getLogger(__name__)
-
-DISPATCH_MODES = ("direct", "scheduler")
-
-#: Dask config that changes what a step's tasks do (read while lowering): part of
-#: `Options.token`, so of every key
-LOWERING_SETTINGS = ("dagdiff.fuse-loss-backward", "dagdiff.dashboard.live-actions",
-                     "dagdiff.direct.timeout")
-
-
-def _pos_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-@dataclass(frozen=True)
-class Options:
-    """The options of a build, validated once (`Options.make`): what `dd.value_and_grad`
-    and `dd.Trainer` take as keywords. `schedule` is resolved (None: no pipeline);
-    `fuse` is resolved (None means: fuse pipelines, nothing else)."""
-
-    argnums: int | tuple[int, ...] = 0
-    has_aux: bool = False
-    microbatches: int = 1
-    schedule: Schedule | None = None
-    batch_argnums: tuple[int, ...] | None = None
-    batch_axis: int = 0
-    stages: int | str | CostSource | None = None
-    placement: tuple[tuple[int, Any], ...] = ()
-    fuse: bool = False
-    resident: bool = True
-    dispatch: str | None = None
-    remat: RematPolicy = "none"
-
-    @classmethod
-    def make(cls, where: str, *, argnums: int | Sequence[int] = 0, has_aux: bool = False,
-             microbatches: int = 1, schedule: Any = None,
-             batch_argnums: Sequence[int] | None = None, batch_axis: int = 0,
-             stages: int | str | CostSource | None = None,
-             placement: Mapping[int, Any] | None = None,
-             fuse: bool | None = None, resident: bool = True,
-             dispatch: str | None = None, remat: Any = None) -> "Options":
-        """Validate the keywords of `where` (e.g. ``"dd.value_and_grad"``)."""
-        if not _pos_int(microbatches):
-            raise ArgumentError(f"{where}: microbatches must be a positive int, got "
-                                f"{microbatches!r}")
-        if dispatch not in (None, *DISPATCH_MODES):
-            raise ArgumentError(f"{where}: dispatch must be 'direct', 'scheduler' or None, got "
-                                f"{dispatch!r}")
-        if not (stages is None or (isinstance(stages, str) and stages == "auto")
-                or _pos_int(stages) or is_cost_source(stages)):
-            raise ArgumentError(f"{where}: stages must be 'auto', a positive int, a dd.Profile "
-                                f"(balance by its measured times) or None, got {stages!r}")
-        if not isinstance(batch_axis, int) or isinstance(batch_axis, bool):
-            raise ArgumentError(f"{where}: batch_axis must be an int, got {batch_axis!r}")
-        if placement is not None and not isinstance(placement, Mapping):
-            raise ArgumentError(f"{where}: placement must be a dict {{stage: slot}}, got "
-                                f"{type(placement).__name__}")
-        for s in placement or {}:
-            check_stage(s, "a key of placement")
-        pipelined = microbatches > 1 or schedule is not None
-        sched = get_schedule(schedule if schedule is not None else "1f1b") if pipelined else None
-        nums = argnums if isinstance(argnums, int) else tuple(argnums)
-        bnums = None if batch_argnums is None else (
-            (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums))
-        return cls(nums, bool(has_aux), microbatches, sched, bnums, batch_axis, stages,
-                   tuple(sorted((placement or {}).items())),
-                   pipelined if fuse is None else bool(fuse), bool(resident), dispatch,
-                   check_remat(where, remat))
-
-    @property
-    def pipelined(self) -> bool:
-        return self.schedule is not None
-
-    def token(self) -> tuple[Any, ...]:
-        """What of the options is part of a step's task keys, with the Dask config that
-        lowering reads (`LOWERING_SETTINGS`, at build time): two builds that differ only
-        in one of them get different keys."""
-        return (self.argnums, self.has_aux, self.fuse, self.microbatches,
-                repr(self.schedule), self.batch_axis, self.remat,
-                tuple(str(dask.config.get(k, None)) for k in LOWERING_SETTINGS))
-
 
 @dataclass(frozen=True)
 class Model:
