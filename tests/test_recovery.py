@@ -404,15 +404,10 @@ def _kill_plan(client: Any, plan: list[tuple[float, str]], started: threading.Ev
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("cluster_client,replicas,plan", [
     # one replica: the stage's worker, then the survivor it moved to, then another
-    pytest.param(4, 1, [(0.6, "slot1"), (1.8, "slot2"), (3.2, "slot3")], marks=pytest.mark.xfail(
-        reason="issue #27: on 2026-12-04 this machine ends it in LostStateError (stage 0's and "
-               "1's state both lost) at 360ae61 too, before session 16's change; not strict",
-        strict=False)),
+    (4, 1, [(0.6, "slot1"), (1.8, "slot2"), (3.2, "slot3")]),
     # two replicas: both replicas of stage 1 (slot1 and slot3) 1.2 s apart, inside what
     # was the wait for slot1's replacement, then stage 0's worker
-    pytest.param(4, 2, [(0.6, "slot1"), (1.8, "slot3"), (3.2, "slot0")], marks=pytest.mark.xfail(
-        reason="issue #27: passed in session 16's CI run, failed in a rerun beside it on "
-               "2026-12-04; not strict", strict=False)),
+    (4, 2, [(0.6, "slot1"), (1.8, "slot3"), (3.2, "slot0")]),
 ], indirect=["cluster_client"], ids=["replicas1", "replicas2"])
 def test_kills_every_second_are_recovered_on_the_live_workers(
         cluster_client: Any, replicas: int, plan: list[tuple[float, str]]) -> None:

@@ -147,11 +147,18 @@ class FitRun:
             return
         self.pending.pop(0)
         self.losses.append(value)
-        self.finished = entry.after
+        # the finished state keeps its loss as a number, not as a Future: a held loss
+        # whose worker is lost later would make Dask run that step's programs again
+        # alone (they fail: the step was built for the lost worker), and distributed
+        # then marks the step's other results erred when a later graph reads them (its
+        # update_graph blames a dependency that erred), taking a state that was whole
+        after = dataclasses.replace(entry.after, loss=value)
+        self.pending[:] = [dataclasses.replace(e, before=after) if e.before is entry.after
+                           else e for e in self.pending]
+        self.finished = after
         if tr.recovering:
             history = self.history
-            history.append((entry.batch,
-                            entry.after if tr._has_copy(entry.after) else None))
+            history.append((entry.batch, after if tr._has_copy(after) else None))
             anchors = [j for j, (_, st) in enumerate(history) if st is not None]
             if len(anchors) > 2:                  # keep the two newest copies
                 self.base = history[anchors[-2]][1]  # type: ignore[assignment]
