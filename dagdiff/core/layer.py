@@ -1,17 +1,14 @@
 """`dd.layer`: mark a JAX-differentiable function as one node (forward + VJP task) of the graph."""
 from __future__ import annotations
 
-import collections
 import functools
-import hashlib
-import threading
 from typing import Any, Callable, overload
 
-import cloudpickle
 import jax
 from dask.base import tokenize
 
 from ..errors import ArgumentError
+from .byvalue import payload, revive
 from .keys import sanitize
 from .stage import check_stage
 from .tracer import call_layer
@@ -56,18 +53,12 @@ class Layer:
         return call_layer(self, args, kwargs)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # by value, as bytes made once per layer: every step's graph holds its layers, and
-        # cloudpickling a function (and distributed's plain-pickle attempt before it)
-        # cost ~1 ms a layer per pickling; a process that already revived these bytes
-        # gives back the same Layer object (`_revive`), so none is rebuilt per task
-        ident = (id(self.fn), self.name, self.remat, self.stage)
-        cached = self.__dict__.get("_payload")
-        if cached is None or cached[0] != ident:
-            data = cloudpickle.dumps((type(self), self.__getstate__()), protocol=5)
-            digest = hashlib.blake2b(data, digest_size=16).hexdigest()
-            cached = self.__dict__["_payload"] = (ident, digest, data)
-            _remember(digest, self)
-        return (_revive, cached[1:])
+        # by value, as bytes made once per layer (`byvalue`): every step's graph holds its
+        # layers, and cloudpickling a function (and distributed's plain-pickle attempt
+        # before it) cost ~1 ms a layer per pickling; a process that already revived these
+        # bytes gives back the same Layer object, so none is rebuilt per task
+        return (_revive, payload(self, _ident(self),
+                                 lambda: (type(self), self.__getstate__())))
 
     def __copy__(self) -> "Layer":
         new = type(self).__new__(type(self))
@@ -142,32 +133,22 @@ def register_maker(make: Callable[[Any, str | None, bool, int | None], "Layer | 
         _MAKERS.append(make)
 
 
-_REVIVED: "collections.OrderedDict[str, Layer]" = collections.OrderedDict()
-_REVIVED_LOCK = threading.Lock()
-_REVIVED_MAX = 256      # layers kept alive by the cache (most recently used)
+def _ident(layer: Layer) -> tuple[Any, ...]:
+    """What a layer's pickled bytes depend on."""
+    return (id(layer.fn), layer.name, layer.remat, layer.stage)
 
 
-def _remember(digest: str, obj: Layer) -> None:
-    with _REVIVED_LOCK:
-        _REVIVED[digest] = obj
-        _REVIVED.move_to_end(digest)
-        while len(_REVIVED) > _REVIVED_MAX:
-            _REVIVED.popitem(last=False)
+def _make(state: tuple[type, dict[str, Any]]) -> Layer:
+    cls, st = state
+    obj = cls.__new__(cls)
+    obj.__setstate__(st)
+    return obj
 
 
 def _revive(digest: str, data: bytes) -> Layer:
     """The Layer pickled as `data` (its digest `digest`): the one this process already
     made from these bytes (or sent as them), else a new one."""
-    with _REVIVED_LOCK:
-        hit = _REVIVED.get(digest)
-    if hit is not None:
-        return hit
-    cls, state = cloudpickle.loads(data)
-    obj = cls.__new__(cls)
-    obj.__setstate__(state)
-    obj.__dict__["_payload"] = ((id(obj.fn), obj.name, obj.remat, obj.stage), digest, data)
-    _remember(digest, obj)
-    return obj
+    return revive(digest, data, _make, _ident)
 
 
 def _portable(fn: Any) -> Any:

@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import optax
 
+from ..core.byvalue import payload, revive
 from ..runtime.memory import sample as sample_memory
 
 
@@ -27,6 +28,13 @@ class ScaledOptimizer:
     def __init__(self, optimizer: optax.GradientTransformation, r: int, key: str = "") -> None:
         self.optimizer, self.r, self.key = optimizer, r, key
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # by value, as bytes made once (`core.byvalue`): an optax transform is a set of
+        # closures that plain pickle refuses, so each step's whole graph fell back to
+        # cloudpickle after a failed plain-pickle attempt
+        return (_revive, payload(self, (id(self.optimizer), self.r, self.key),
+                                 lambda: (self.optimizer, self.r, self.key)))
+
     def update(self, grads: Any, state: Any, params: Any) -> Any:
         if self.r > 1:
             grads = [g / self.r for g in grads]
@@ -45,6 +53,11 @@ class ScaledOptimizer:
             with _UPDATES_LOCK:
                 fn = _COMPILED_UPDATES.setdefault(self.key, jax.jit(self.step))
         return fn
+
+
+def _revive(digest: str, data: bytes) -> ScaledOptimizer:
+    return revive(digest, data, lambda st: ScaledOptimizer(*st),
+                  lambda o: (id(o.optimizer), o.r, o.key))
 
 
 def update_task(optimizer: ScaledOptimizer, n: int, state: Any, *grads: Any,
