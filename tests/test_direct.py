@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import dagdiff as dd
-from dagdiff.runtime.direct import RunNonce, run_program
+from dagdiff.runtime.direct import run_program
 from dagdiff.runtime.direct.messages import pack
 from tests.models import assert_matches_jax, close, data, make_loss, probe_every
 
@@ -82,7 +82,7 @@ def test_a_step_is_one_program_per_worker_in_schedule_order(client2: Any) -> Non
     for out in [loss, *jax.tree_util.tree_leaves(grads)]:
         assert dsk[out.key].dependencies == set(progs), out.key
         assert dsk[out.key].is_coro, out.key        # run on the worker's event loop
-    # stage 0's program (it starts the pipeline) is sent first
+    # stage 0's program (it starts the pipeline) is sent first once the nonce is ready
     (layer,) = loss.__dask_graph__().layers.values()
     prio = {k: layer.annotations["priority"](k) for k in progs}
     lead = next(k for k, p in progs.items()
@@ -92,12 +92,12 @@ def test_a_step_is_one_program_per_worker_in_schedule_order(client2: Any) -> Non
     for k, prog in progs.items():
         # programs read only the step's inputs, never each other (values go directly)
         assert not set(dsk[k].dependencies) & set(progs), k
-        # only the step's inputs that are Dask keys (resident parameters): the run's nonce
-        # is carried by the task itself, no task and no transfer before a program starts;
+        # the step's inputs that are Dask keys (resident parameters) and the run nonce;
         # the batch travels inside the program task (no scattered data: recomputable)
+        nonce = next(d for d in dsk[k].dependencies if d.startswith("run_step"))
         resident = {s for s in prog.statics if not s.startswith("input_")}
-        assert set(dsk[k].dependencies) == resident
-        assert isinstance(dsk[k].args[1], RunNonce)
+        assert set(dsk[k].dependencies) == resident | {nonce}
+        assert dsk[nonce].dependencies == frozenset()
         actions = [a.key for a in prog.actions]
         # no action is also an ordinary task, except as its program's export
         for a in prog.actions:
@@ -111,8 +111,6 @@ def test_a_step_is_one_program_per_worker_in_schedule_order(client2: Any) -> Non
             if info.phase in ("F", "B") and info.layer != "mse" and info.stage == stage:
                 got.append(f"{info.phase}{info.microbatch}")
         assert [g for i, g in enumerate(got) if g not in got[:i]] == want, prog.where
-    # one nonce per step, shared by its programs (pickled once per submission)
-    assert len({id(dsk[k].args[1]) for k in progs}) == 1
 
 
 def _explode_fwd(w: Any, x: Any) -> Any:

@@ -141,24 +141,3 @@ def test_a_schedule_that_cannot_run_fails_when_building(client2: Any) -> None:
             dd.value_and_grad(loss_fn, microbatches=2, schedule=BackwardFirst())(params, x, t)
     assert "worker 1 at B0" in str(e.value)
 
-
-# --- the run nonce a program task carries (pure) -------------------------------------------
-
-def test_a_run_nonce_is_fresh_per_pickling_and_shared_within_one() -> None:
-    from dask.base import tokenize
-
-    from dagdiff.runtime.direct import RunId, RunNonce
-
-    nonce = RunNonce()
-    graph = {"prog_a": ("run", nonce), "prog_b": ("run", nonce)}
-    first = pickle.loads(pickle.dumps(graph))
-    second = pickle.loads(pickle.dumps(graph))
-    # one pickling (a submission): every program of the step gets the same id
-    assert isinstance(first["prog_a"][1], RunId)
-    assert first["prog_a"][1] == first["prog_b"][1]
-    # the next pickling (the step submitted again): a new id
-    assert second["prog_a"][1] == second["prog_b"][1] != first["prog_a"][1]
-    # a RunId keeps its value from then on (the scheduler sends the task to a worker)
-    assert pickle.loads(pickle.dumps(first["prog_a"][1])) == first["prog_a"][1]
-    # one computation for the scheduler however often the graph is sent
-    assert tokenize(first) == tokenize(second) == tokenize(graph)

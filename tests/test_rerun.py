@@ -106,31 +106,22 @@ def _until_forgotten(client: Any, key: str) -> None:
     raise AssertionError(f"the scheduler still holds {key}")
 
 
-def _ended_generations(dask_worker: Any) -> dict[str, int]:
-    return dict(dask_worker.extensions["dagdiff"]._ended)
-
-
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
 def test_an_output_released_and_asked_for_again(client2: Any, schedule: str,
                                                  no_run_spec_warning: None) -> None:
     """The loss released while the gradients are held, then the loss asked for again: the
     scheduler still knows the step's programs (the held gradients depend on them) and runs
-    them again with the same tasks, so the same run nonce: every worker counts a second
-    generation of the run, and the programs meet again."""
+    them again with the same tasks; their run nonce task runs again too, so the programs
+    meet under a new run id."""
     params, x, t = data(2)
     with client2.as_current():
         loss, grads = _step(schedule, "direct")(params, x, t)
         lf, gf = client2.compute([loss, grads])
         _check((lf.result(), gf.result()), make_loss(2), params, x, t)
-        before = client2.run(_ended_generations)
         del lf
         _until_forgotten(client2, loss.key)
         again = client2.compute(loss)
         _check((again.result(timeout=120), gf.result()), make_loss(2), params, x, t)
-        after = client2.run(_ended_generations)
-    for w in after:                     # this step's runs ended twice on each worker
-        grown = {b: n for b, n in after[w].items() if n > before[w].get(b, 0)}
-        assert list(grown.values()) == [2], (w, grown)
 
 
 @pytest.mark.parametrize("dispatch", DISPATCH)
@@ -193,3 +184,26 @@ def test_trainer_steps_twice_from_one_state(client2: Any, dispatch: str,
     np.testing.assert_allclose(float(la.result()), float(lb.result()), rtol=1e-6)
     np.testing.assert_allclose(float(lc.result()), float(loss_fn(params, x + 1.0, t)),
                                rtol=1e-5)
+
+
+def test_fit_again_from_one_state_on_the_same_batches(client2: Any,
+                                                      no_run_spec_warning: None) -> None:
+    """A notebook cell `trainer.fit(batches, state=state)` run several times: every fit
+    makes the same steps (the same keys) while the scheduler may still know some of an
+    earlier fit's programs and not others; each fit equals the first. (A run id carried
+    by the program tasks themselves instead of the nonce task let a known and a new
+    program of one step run under two ids and wait for each other until the timeout:
+    1 in 4 `bench_peers.py` runs of this pattern; this test did not catch it in 3 runs,
+    it checks the pattern's results.)"""
+    loss_fn = make_loss(2)
+    params, x, t = data(2)
+    batches = [(x + 0.1 * i, t) for i in range(10)]
+    opt = optax.adam(1e-2)
+    with dask.config.set({"dagdiff.direct.timeout": "20s"}):
+        tr = dd.Trainer(loss_fn, opt, microbatches=4, schedule="1f1b", client=client2)
+        state, _ = tr.fit(batches[:2], params=params, progress=False)
+        results = [tr.fit(batches[2:], state=state, progress=False) for _ in range(5)]
+    first_state, first_losses = results[0]
+    for got_state, losses in results[1:]:
+        np.testing.assert_allclose(losses, first_losses, rtol=1e-6)
+        close(tr.params(got_state), tr.params(first_state))

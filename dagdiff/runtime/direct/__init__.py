@@ -9,10 +9,9 @@ bookkeeping. Here a step is a handful of Dask tasks per worker:
 
 * `plan` (pure): which tasks each worker's program runs, in the order of a simulated run
   of the schedule, and which values go to which other worker (only the leaves it reads);
-* `graph`: the rewritten Dask graph: a program task per worker, the step's outputs as
+* `graph`: the rewritten Dask graph: a program task per worker, a ``run_`` nonce task
+  (one per submission, so a step computed again is a new run), the step's outputs as
   ordinary tasks that wait for every program;
-* `runid`: the run nonce each program task carries (fresh per submission of the graph, so
-  a step computed again is a new run; no task, no round trip);
 * `program`: the frozen record of a worker's program (the plan's actions bound to their
   tasks, the step's inputs, its peers);
 * `run`: one run of a program on a worker (`ProgramRun`): its inbox, the interpreter,
@@ -30,11 +29,9 @@ from ...errors import DirectDispatchError, UpstreamError
 from .graph import RESOURCE_SHARE, DirectGraph, next_base, rewrite
 from .plan import Consumers, PlannedAction, linearize, plan_programs
 from .program import Program
-from .runid import RunId, RunNonce
 from .runtime import EXTENSION, DirectRuntime, compute_log, install, run_program
 
 
 __all__ = ["DirectDispatchError", "UpstreamError", "RESOURCE_SHARE", "DirectGraph", "next_base",
            "rewrite", "linearize", "plan_programs", "EXTENSION", "PlannedAction", "Consumers",
-           "DirectRuntime", "Program", "RunId", "RunNonce", "compute_log", "install",
-           "run_program"]
+           "DirectRuntime", "Program", "compute_log", "install", "run_program"]

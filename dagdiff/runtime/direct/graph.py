@@ -1,6 +1,5 @@
-"""Rewrite a step's task graph for direct dispatch: one program task per worker (each
-carrying the step's run nonce, fresh per submission), and the step's outputs as ordinary
-tasks waiting for every program."""
+"""Rewrite a step's task graph for direct dispatch: one program task per worker, a nonce
+task per submission, and the step's outputs as ordinary tasks waiting for every program."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,8 +14,7 @@ from ..taskspec import DataNode, Task, TaskRef
 from .plan import ProgramPlan, plan_programs
 from .results import Export, ProgramResult
 from .program import Program
-from .runid import RunNonce
-from .runtime import _timeout, run_program
+from .runtime import _timeout, new_nonce, run_program
 
 
 __all__ = ["DirectGraph", "rewrite", "next_base", "RESOURCE_SHARE"]
@@ -37,7 +35,7 @@ def next_base() -> int:
 @dataclasses.dataclass(frozen=True)
 class DirectGraph:
     """The rewritten graph: tasks, and the placement and priority of the new tasks
-    (programs, the tasks that pick a program's exports)."""
+    (programs, the nonce, the tasks that pick a program's exports)."""
 
     dsk: dict[str, Any]
     priority: dict[str, int]
@@ -54,9 +52,9 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
     stay ordinary tasks, and does not wait on an ordinary task) into an action of its
     worker's program (see `dagdiff.runtime.direct.plan`).
 
-    Each program carries the step's `RunNonce`, a fresh nonce each time the graph is
-    submitted (`runid`): computing the step again (the same Delayed, a re-run cell) runs
-    the programs under a new run id, so its messages never mix with an earlier run's. Data
+    Each program reads the step's ``run_`` task, a fresh nonce computed once per
+    submission: computing the step again (the same Delayed, a re-run cell) runs the
+    programs under a new run id, so its messages never mix with an earlier run's. Data
     the programs read (the batch) is embedded in their tasks, not scattered: the graph
     stays recomputable, and its keys name one computation.
 
@@ -100,10 +98,13 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
     base = next_base()
     out_priority: dict[str, int] = {}
     placed: dict[str, str] = {}
-    nonce = RunNonce()
+    nonce_key = make_key("run", "step", 0, token)
+    dsk[nonce_key] = Task(nonce_key, new_nonce)
+    placed[nonce_key] = plan.programs[0].where
+    out_priority[nonce_key] = base + 1
     members_all = [(p.where, addr(p.where)) for p in plan.programs]
     # the program that can run longest before it waits for another worker (stage 0's,
-    # which starts the pipeline) is sent first: the scheduler
+    # which starts the pipeline) is sent first once the nonce is ready: the scheduler
     # sends equal-priority tasks in no set order, and every other worker waits for it
     lead = max(range(len(plan.programs)), key=lambda i: _leading(plan.programs[i]))
     programs = []
@@ -128,7 +129,7 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
             node = dsk.get(s)
             args.append(node.value if s in inline and isinstance(node, DataNode)
                         else TaskRef(s))
-        dsk[pk] = Task(pk, run_program, prog, nonce, *args)
+        dsk[pk] = Task(pk, run_program, prog, TaskRef(nonce_key), *args)
         placed[pk] = w
         out_priority[pk] = base + (1 if i == lead else 0)
         programs.append(prog)

@@ -8,10 +8,9 @@ interpreter, its waits and its outbox), the handlers other workers and the sched
 (a run's status, a lost peer), and the log of what ran here.
 
 A *run* is one execution of a step's programs. Its id is the step's token plus the
-nonce its programs carry (`runid`: fresh each time the step's graph is submitted), and a
-generation when Dask runs the same programs again after a run that ended: computing a
-step again runs its programs under a new id, so the runs never mix, even when Dask
-reuses every key.
+nonce its programs read (a tiny task of the step, computed once per submission of the
+step's graph): computing a step again runs its programs again under a new nonce, so
+the runs never mix, even when Dask reuses every key.
 """
 from __future__ import annotations
 
@@ -20,6 +19,7 @@ import collections
 import itertools
 import threading
 import time
+import uuid
 from typing import Any
 
 import dask
@@ -35,12 +35,11 @@ from .messages import Failure, Message
 from .program import Program
 from .results import ProgramResult
 from .run import ProgramRun
-from .runid import nonce_of
 from .transport import STATUS_OP, DecodeError, Transport
 
 
 __all__ = ["EXTENSION", "DirectRuntime", "install", "runtime",
-           "run_program", "compute_log",
+           "run_program", "new_nonce", "compute_log",
            "STALE_AFTER", "PEER_LOST_OP"]
 
 
@@ -55,6 +54,11 @@ PROBE_CONNECT_TIMEOUT = 3.0
 STALE_AFTER = 3600.0
 
 
+def new_nonce() -> str:
+    """A fresh id for one run of a step (the value of the step's ``run_`` task)."""
+    return uuid.uuid4().hex[:16]
+
+
 class DirectRuntime:
     """Direct dispatch on one worker (its extension ``"dagdiff"``)."""
 
@@ -64,8 +68,6 @@ class DirectRuntime:
         self._lock = threading.Lock()
         self._runs: dict[str, ProgramRun] = {}
         self._finished: collections.OrderedDict[str, str] = collections.OrderedDict()
-        #: per step/nonce: how many of its runs ended here (the next run's generation - 1)
-        self._ended: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._running: dict[str, str] = {}          # program key -> its run (cancellations)
         #: (action key, start, stop, program key, run number) of every action run here
         self.log: collections.deque[tuple[str, float, float, str, int]] = \
@@ -108,27 +110,13 @@ class DirectRuntime:
                   if not s.started and s.created < now - s.keep_for]:
             del self._runs[k]
 
-    def _finish(self, run: str, outcome: str, base: str | None = None) -> None:
+    def _finish(self, run: str, outcome: str) -> None:
         with self._lock:
             self._runs.pop(run, None)
             self._finished[run] = outcome
             while len(self._finished) > 4096:
                 self._finished.popitem(last=False)
-            if base is not None and outcome == "ended":
-                self._ended[base] = self._ended.get(base, 0) + 1
-                self._ended.move_to_end(base)
-                while len(self._ended) > 4096:
-                    self._ended.popitem(last=False)
             self._sweep(time.monotonic())
-
-    def _run_id(self, base: str) -> str:
-        """The id of the next run of `base` (step/nonce) here: `base` itself, or with the
-        generation appended when runs of it already ended here (Dask runs a step's
-        programs again with the same tasks: each worker runs its program once per
-        generation, so every worker counts the same)."""
-        with self._lock:
-            n = self._ended.get(base, 0)
-        return base if n == 0 else f"{base}#{n + 1}"
 
     async def _status(self, run: str) -> str:
         """Handler ``dagdiff_status``: what this worker knows of `run` ("running",
@@ -174,7 +162,7 @@ class DirectRuntime:
         self.transport.close()
 
     # --- running a program ------------------------------------------------------------------
-    def run(self, prog: Program, nonce: Any, static_values: tuple[Any, ...]) -> ProgramResult:
+    def run(self, prog: Program, nonce: str, static_values: tuple[Any, ...]) -> ProgramResult:
         """Run `prog`'s actions in order; return the values ordinary tasks read (see
         `run_program`)."""
         if self.worker.address != prog.address:
@@ -183,14 +171,13 @@ class DirectRuntime:
                 f"but runs on {self.worker.address} (the worker was lost or restarted since, "
                 "and Dask runs the program again on its replacement while the other workers "
                 "already went on). Compute the step again.")
-        base = f"{prog.step}/{nonce_of(nonce)}"
-        run = self._run_id(base)
+        run = f"{prog.step}/{nonce}"
         st = self._state(run, start=True)
         if st is None:
             raise DirectDispatchError(
-                f"{prog.key} on {prog.where}: run {run} of this step failed on this worker "
-                "and Dask runs its program again with the same task (e.g. client.retry after "
-                "the failure). Release the step's futures and compute it again (a new run).")
+                f"{prog.key} on {prog.where}: run {run} of this step already ended on this "
+                "worker and Dask runs its program again alone (e.g. client.retry after a "
+                "failure). Release the step's futures and compute it again (a new run).")
         self._running[prog.key] = run
         with self._lock:
             lost = [a for _, a in prog.members if a in self.lost]
@@ -216,7 +203,7 @@ class DirectRuntime:
                 live.flush()
             self.held.pop(prog.key, None)
             self._running.pop(prog.key, None)
-            self._finish(run, outcome, base)
+            self._finish(run, outcome)
         return ProgramResult(prog.key, exports)
 
     def _probe(self, address: str, run: str) -> tuple[str, str]:
@@ -299,7 +286,7 @@ def runtime() -> DirectRuntime:
     return install(get_worker())
 
 
-def run_program(prog: Program, nonce: Any, /, *static_values: Any) -> ProgramResult:
+def run_program(prog: Program, nonce: str, /, *static_values: Any) -> ProgramResult:
     """A program task: run a worker's actions in order; return the values ordinary
     tasks read (a `ProgramResult`: a stub when sent to another worker).
 
