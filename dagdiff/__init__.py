@@ -60,7 +60,7 @@ from .inspect.metrics import (compile_counts, peak_live, remat_count, reset_peak
 from .plan.costs import Profile
 from .plan.predict import Prediction, best_schedule, predict
 from .plan.profile import profile
-from .inspect.record import record
+from .inspect.capture import record
 from .runtime.direct import install
 from .runtime.serialize import register as _register_serializers
 from .schedules import Schedule, get_schedule

@@ -1,12 +1,13 @@
 """The one build path: trace a loss function, prepare the trace (stages, fusion), derive
 the backward, place the stages, lower to tasks and assemble the Dask graph.
 
-`dd.value_and_grad`, `dd.grad` and `dd.trace` call `build`; `dd.Trainer` shares its
-first half (`trace_model`: tracing, module arguments, stages and fusion) and its keys
-(`step_token`, `program_homes`, `resolve_dispatch`), then resolves its own targets
-(replica groups) and lowers replicas, all-reduce and updates itself
-(`dagdiff.train.trainer`), assembling with `dagdiff.lowering.graph` as `build` does.
-`options`: the options a build takes (`Options`).
+`dd.value_and_grad`, `dd.grad` and `dd.trace` call `build`. `dd.Trainer` extends it: it
+shares the first half (`trace_model`: tracing, module arguments, stages and fusion), the
+keys (`step_token`, `program_homes`, `resolve_dispatch`) and the pipelined lowering
+(`step`: `lower_replicas`, `compile_step` and its templates), and adds its replica
+groups, all-reduce, updates and mean loss (`dagdiff.train.step_graph`). What the
+Trainer needs from the layers below comes through this package.
+`options`: the options a build takes (`Options`); `step`: the shared pipelined core.
 """
 from __future__ import annotations
 
@@ -37,18 +38,19 @@ from ..core.tracer import Trace, Traced, home_stages, is_array
 from ..errors import LayerShapeError
 from ..lowering import template as templates
 from ..lowering.collection import DelayedTree, needs_collection
-from ..lowering.graph import OutKey, assemble, assemble_direct, to_delayed
+from ..lowering.graph import OutKey, assemble, pinned, to_delayed
 from ..lowering.lower import lower, select, trace_token
-from ..lowering.memory import check_memory
-from ..lowering.pipeline import lower_pipeline, stage_workers
+from ..lowering.pipeline import stage_workers
 from ..runtime.plugins import ensure_colocation
 from ..runtime.shippable import check_shippable
 from .options import DISPATCH_MODES, LOWERING_SETTINGS, Options
+from .step import Binding, StepTasks, compile_step, lower_replicas, replace_stages
 
 
 __all__ = ["Options", "Model", "Build", "build", "trace_model", "targets_and_inputs",
-           "resolve_dispatch", "step_token", "without_gc", "DISPATCH_MODES",
-           "LOWERING_SETTINGS"]
+           "resolve_dispatch", "step_token", "program_homes", "without_gc", "DISPATCH_MODES",
+           "LOWERING_SETTINGS", "Binding", "StepTasks", "compile_step", "lower_replicas",
+           "replace_stages", "OutKey", "to_delayed", "stage_workers", "pinned", "templates"]
 
 log = logging.getLogger(__name__)
 
@@ -279,60 +281,48 @@ def build(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
             lambda v: OutKey(grads[v.node]) if isinstance(v, Traced) and v.node in grads
             else None, a, is_leaf=lambda x: x is None) for a in model.diff_args]
 
-    tkey = None
-    if options.pipelined and mode == "direct" and templates.enabled():
-        # compile once, run many: the same structure on the same workers binds the
-        # lowered graph of an earlier step to this step's token, batch and parameters
-        tkey = templates.template_key(
-            trace, inputs, options.token(), tuple(sorted(model.batch)), mode,
-            program_homes(mode, targets), dict(targets.of), dask.config.get("dagdiff", {}),
-            templates.sharing({n: _key_of(v[0]) for n, v in inputs.items()}))
-        tpl = templates.lookup(tkey)
-        if tpl is not None:
-            graph, keys = tpl.bind(token, model.batch, {n: v[0] for n, v in inputs.items()})
-            return Build(model, options, targets, graph, keys, token, mode)
-
-    if options.pipelined and client is not None and targets.on_workers:
-        # refuse a step that cannot fit before any of it runs (once per template)
-        check_memory(trace, options.schedule, options.microbatches, options.remat,
-                     trace.nodes[model.loss.node].stage,
-                     {g: targets.address(g) for g in model.stages}, client)
     if options.pipelined:
-        pg = lower_pipeline(trace, model.plan, token, microbatches=options.microbatches,
-                            schedule=options.schedule, batch=model.batch,
-                            axis=options.batch_axis, inputs=inputs, home=home,
-                            loss=model.loss, aux=model.aux, devices=devices)
-        keys = (OutKey(pg.loss_key),
-                jax.tree_util.tree_map(lambda k: OutKey(k) if isinstance(k, str) else k,
-                                       pg.aux_keys),
-                grad_keys(pg.grad_keys))
-        direct = ({k for k in jax.tree_util.tree_leaves(keys) if isinstance(k, OutKey)}
-                  if mode == "direct" else None)
-        if direct is not None and targets.on_workers:
-            graph, plan, prio, where = assemble_direct(
-                pg.dsk, pg.stage_of, targets, token, priority=pg.priority, direct=direct)
-            if tkey is not None:
-                tpl = templates.StepTemplate.capture(
-                    token, "dagdiff", plan, prio, where, targets.slots,
-                    {make_key("input", trace.nodes[i].path or "x", i, token): i
-                     for i in model.batch},
-                    {_key_of(f): n for n, (f, _) in inputs.items()}, keys)
-                if tpl is not None:
-                    templates.store(tkey, tpl)
-        else:
-            graph = assemble(pg.dsk, pg.stage_of, targets, token, priority=pg.priority,
-                             direct=direct)
-    else:
-        low = lower(trace, model.plan, token, inputs=inputs, devices=devices,
-                    fuse_seeded=True)
-        keys = (OutKey(select(low, trace, model.loss, "loss", token)),
-                jax.tree_util.tree_map(
-                    lambda v: OutKey(select(low, trace, v, "aux", token))
-                    if isinstance(v, Traced) else v, model.aux),
-                grad_keys(low.grad_keys))
-        for node, key in low.data_keys.items():
-            low.stage_of[key] = home.get(node)
-        graph = assemble(low.dsk, low.stage_of, targets, token)
+        direct = mode == "direct"
+        binding = None
+        if direct and templates.enabled():
+            # compile once, run many: the same structure on the same workers binds the
+            # lowered graph of an earlier step to this step's token, batch and parameters
+            binding = Binding(
+                templates.template_key(
+                    trace, inputs, options.token(), tuple(sorted(model.batch)), mode,
+                    program_homes(mode, targets), dict(targets.of),
+                    dask.config.get("dagdiff", {}),
+                    templates.sharing({n: _key_of(v[0]) for n, v in inputs.items()})),
+                values=model.batch, refs={n: v[0] for n, v in inputs.items()},
+                inputs={make_key("input", trace.nodes[i].path or "x", i, token): i
+                        for i in model.batch},
+                held={_key_of(f): n for n, (f, _) in inputs.items()})
+
+        def lowered() -> StepTasks:
+            dsk, stage_of, priority, (pg,) = lower_replicas(
+                model, options, targets, client, [token], p=trace.num_stages or 1,
+                batch=lambda r: model.batch, inputs=lambda r: inputs, home=home,
+                aux=model.aux, devices=devices)
+            keys = (OutKey(pg.loss_key),
+                    jax.tree_util.tree_map(lambda k: OutKey(k) if isinstance(k, str) else k,
+                                           pg.aux_keys),
+                    grad_keys(pg.grad_keys))
+            outs = frozenset(k for k in jax.tree_util.tree_leaves(keys)
+                             if isinstance(k, OutKey))
+            return StepTasks(dsk, stage_of, priority, keys, outs)
+
+        graph, keys = compile_step(token, targets, direct, binding, lowered)
+        return Build(model, options, targets, graph, keys, token, mode)
+    low = lower(trace, model.plan, token, inputs=inputs, devices=devices,
+                fuse_seeded=True)
+    keys = (OutKey(select(low, trace, model.loss, "loss", token)),
+            jax.tree_util.tree_map(
+                lambda v: OutKey(select(low, trace, v, "aux", token))
+                if isinstance(v, Traced) else v, model.aux),
+            grad_keys(low.grad_keys))
+    for node, key in low.data_keys.items():
+        low.stage_of[key] = home.get(node)
+    graph = assemble(low.dsk, low.stage_of, targets, token)
     return Build(model, options, targets, graph, keys, token, mode)
 
 
@@ -340,13 +330,3 @@ def _key_of(ref: Any) -> str:
     """The Dask key of a Future (or of a key given as such)."""
     return str(getattr(ref, "key", ref))
 
-
-def replace_stages(trace: Trace, offset: int) -> Trace:
-    """`trace` with every stage moved up by `offset` (a data-parallel replica's stages)."""
-    if offset == 0:
-        return trace
-    new = Trace(trace.name)
-    new.nodes = [dataclasses.replace(n, stage=n.stage + offset)
-                 if n.kind == "call" and n.stage is not None else n for n in trace.nodes]
-    new.closed = True
-    return new

@@ -12,7 +12,7 @@ from ..cluster.targets import Targets, annotations_for
 from ..runtime.direct import RESOURCE_SHARE, DirectGraph, rewrite
 
 
-__all__ = ["OutKey", "to_delayed", "assemble", "assemble_direct", "direct_layer"]
+__all__ = ["OutKey", "to_delayed", "assemble", "assemble_direct", "direct_layer", "pinned"]
 
 
 class OutKey(str):
@@ -77,8 +77,16 @@ def direct_layer(name: str, dsk: Mapping[str, Any], priority: Mapping[str, int],
     worker (a share of its slot resource, or its address)."""
     annotations: dict[str, Any] = {"priority": dict(priority).get}
     if slots:   # shares: a program waiting for its inputs keeps its resources
-        annotations["resources"] = {k: {w: RESOURCE_SHARE} for k, w in where.items()}.get
+        annotations["resources"] = {k: pinned(w, True)["resources"]
+                                    for k, w in where.items()}.get
     else:
         annotations["workers"] = {k: [w] for k, w in where.items()}.get
     return HighLevelGraph({name: MaterializedLayer(dict(dsk), annotations=annotations)},
                           {name: set()})
+
+
+def pinned(target: str, slots: bool) -> dict[str, Any]:
+    """The `Client.submit` arguments that run a task on `target`: a share of its slot
+    resource (a slot's worker may change; the share never blocks the slot's other
+    tasks), or the worker at that address."""
+    return {"resources": {target: RESOURCE_SHARE}} if slots else {"workers": [target]}

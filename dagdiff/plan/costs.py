@@ -1,15 +1,13 @@
 """`Profile`: what `dd.profile` measured of a pipeline - per stage F, B, I, W times and bytes,
 the hop latency and bandwidth between workers, per layer call its cost - the cost model
-of `dd.predict` and of ``stages=profile``."""
+of `dd.predict` and of ``stages=profile``. Its per stage and per layer records and the
+way they are shown: `stage_costs`."""
 from __future__ import annotations
 
-import html
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Sequence
-
-from distributed.comm.addressing import get_address_host
 
 from ..build import Build
 from ..core.auto import node_costs
@@ -29,83 +27,10 @@ from .measure import (
     stage_facts,
     work,
 )
+from .stage_costs import LayerCost, StageProfile, fmt_bytes, host_of, html_table
 
 
 __all__ = ["KINDS", "StageProfile", "LayerCost", "Profile", "html_table", "fmt_bytes", "host_of"]
-
-@dataclass(frozen=True)
-class StageProfile:
-    """One global stage, measured: seconds per microbatch of each action kind (medians
-    over the microbatches; a program's split/accumulate/loss tasks are counted with the
-    action they belong to), and bytes per microbatch.
-
-    ``i`` is 0 where the stage computes no input gradient (stage 0 of a model whose
-    input is data); ``b`` and ``i``/``w`` come from the full- and split-backward
-    schedules the profile ran (when only one kind ran: I = W = B / 2, or B = I + W).
-    ``send_forward``: activation bytes it sends to later stages; ``send_backward``:
-    cotangent bytes it sends to earlier stages; ``activation_bytes``: what one live
-    microbatch keeps on its worker (the inputs and outputs of the stage's layer calls
-    before fusion, parameters left out: an estimate from the traced avals);
-    ``param_bytes``: its parameters. ``kept``: per recomputation policy, the bytes one
-    live microbatch keeps from its forward to its backward (residuals read off the
-    fused stage's VJP, `dagdiff.core.footprint`), what `dd.predict(...).memory` adds up;
-    ``recompute``: per policy, the share of F its backward runs again (1 for "full",
-    XLA's cost estimate for "selective"); ``peak_memory``: the most bytes its worker
-    held in the profiled steps (measured, `Recording.peak_memory`); ``stash_bytes``: what
-    a split backward's I leaves for its W per microbatch; ``input_bytes``: one
-    microbatch of the batch inputs it reads (the step holds the whole batch);
-    ``received_bytes``: the activations a microbatch brings from earlier stages."""
-
-    stage: int
-    worker: str
-    f: float
-    b: float
-    i: float
-    w: float
-    send_forward: int
-    send_backward: int
-    activation_bytes: int
-    param_bytes: int
-    layers: tuple[str, ...]
-    samples: int
-    kept: tuple[tuple[str, int], ...] = ()
-    recompute: tuple[tuple[str, float], ...] = ()
-    peak_memory: int = 0
-    stash_bytes: int = 0
-    input_bytes: int = 0
-    received_bytes: int = 0
-
-    def cost(self, kind: str, policy: str = "none") -> float:
-        """Seconds of one action of `kind` (F, B, I or W), the backward's (B, I) with
-        the forward work `policy` runs again."""
-        base = {"F": self.f, "B": self.b, "I": self.i, "W": self.w}[kind]
-        if kind in ("B", "I") and policy != "none":
-            base += self.f * self.recompute_share(policy)
-        return base
-
-    def recompute_share(self, policy: str) -> float:
-        """The share of F that `policy` runs again in the backward."""
-        if policy == "none":
-            return 0.0
-        return dict(self.recompute).get(policy, 1.0 if policy == "full" else 0.0)
-
-    def kept_by(self, policy: str) -> int:
-        """Bytes one live microbatch keeps under `policy` (the traced activations when
-        the profile has no residual figures)."""
-        return dict(self.kept).get(policy, self.activation_bytes)
-
-
-@dataclass(frozen=True)
-class LayerCost:
-    """One layer call of the profiled model (trace order): its stage, XLA's cost estimate
-    and the measured seconds per microbatch (forward + backward) it is given: its
-    stage's measured time shared out in proportion to the estimates."""
-
-    name: str
-    stage: int
-    seconds: float
-    estimate: float
-
 
 @dataclass(frozen=True)
 class Profile:
@@ -394,23 +319,6 @@ def _layer_costs(trace: Trace, stages: Sequence[StageProfile]) -> list[LayerCost
     return out
 
 
-def html_table(title: str, head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A titled HTML table (what a Profile or Prediction shows in Jupyter)."""
-    cells = "".join(f"<th>{html.escape(h)}</th>" for h in head)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(x)}</td>" for x in r) + "</tr>"
-                   for r in rows)
-    return (f"<p>{html.escape(title)}</p><table><thead><tr>{cells}</tr></thead>"
-            f"<tbody>{body}</tbody></table>")
-
-
-def host_of(address: str) -> str:
-    """The host part of a worker address (the address itself where it has none)."""
-    try:
-        return str(get_address_host(address))
-    except (ValueError, TypeError):
-        return address
-
-
 def _summary(names: Sequence[str]) -> str:
     out, last, n = [], None, 0
     for x in [*names, None]:
@@ -422,11 +330,3 @@ def _summary(names: Sequence[str]) -> str:
         last, n = x, 1
     text = ", ".join(out)
     return text if len(text) < 80 else text[:77] + "..."
-
-
-def fmt_bytes(n: float) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
-

@@ -11,7 +11,8 @@ import jax
 from ..build import Build, Options, build, trace_model
 from ..cluster.info import current_client, workers_info
 from ..errors import ArgumentError
-from ..inspect.record import Recording, record
+from ..inspect.capture import record
+from ..inspect.record import Recording
 from ..schedules import Interleaved, InterleavedZeroBubble, LoopedBFS, Schedule, get_schedule
 from .costs import Profile
 from .measure import measure_bandwidth

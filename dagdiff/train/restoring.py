@@ -14,10 +14,10 @@ from ..cluster.info import (
     forget_workers,
     lost_workers,
 )
+from ..build import pinned
 from ..cluster.targets import Targets
 from ..core.keys import make_key
 from ..errors import ArgumentError, LostStateError, TrainerError
-from ..runtime.direct import RESOURCE_SHARE
 from .recovery import Lineage, Recovery, copy_task, lost_values, restore
 from .state import TrainState, state_identity
 from .step_graph import StepModel, stage_address
@@ -161,10 +161,9 @@ class Restoring:
                 have = set(held.get(fut.key, ()))
                 order = [w for w in [home, *order] if address[w] not in have] or order
             other = order[0]
-            where = ({"resources": {other: RESOURCE_SHARE}} if slots
-                     else {"workers": [other]})
             out[(r, g)] = self.client.submit(
-                copy_task, fut, key=make_key("backup", f"g{g}", g, token, stage, r), **where)
+                copy_task, fut, key=make_key("backup", f"g{g}", g, token, stage, r),
+                **pinned(other, slots))
         return out
 
     def _protect(self, state: TrainState, model: "StepModel") -> TrainState:

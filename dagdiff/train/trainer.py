@@ -31,7 +31,9 @@ from ..build import (
     Options,
     program_homes,
     resolve_dispatch,
+    stage_workers,
     step_token,
+    to_delayed,
     trace_model,
 )
 from ..cluster.info import (
@@ -44,8 +46,6 @@ from ..core.forms import ModelForm, lower_args
 from ..core.tracer import home_stages
 from ..errors import ArgumentError, MicrobatchError, PlacementError, TrainerError
 from ..extras import available, require
-from ..lowering.graph import to_delayed
-from ..lowering.pipeline import stage_workers
 from .fit import FitRun, NoBar
 from .recovery import Placement, Recovery, StepLoss
 from .restoring import Restoring

@@ -1,0 +1,141 @@
+"""A pipelined step's lowering, shared by `build` and `dd.Trainer`: the model lowered per
+replica, what a caller adds on top (the Trainer's all-reduce, updates and mean loss),
+the assembly into one graph, and the template the step is bound to or kept as.
+
+`dd.value_and_grad` lowers one replica and adds nothing; the Trainer lowers one per
+data-parallel copy and extends the tasks. Both go through `compile_step`, so the
+template cache (compile once, run many: `dagdiff.lowering.template`) serves both, and a
+change to lowering, assembly or templates is made once.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Mapping, Sequence
+
+from dask.highlevelgraph import HighLevelGraph
+
+from ..cluster.targets import Targets
+from ..core.tracer import Trace
+from ..lowering import template as templates
+from ..lowering.graph import assemble, assemble_direct
+from ..lowering.memory import check_memory
+from ..lowering.pipeline import PipelineGraph, lower_pipeline
+from .options import Options
+
+
+__all__ = ["StepTasks", "Binding", "lower_replicas", "compile_step", "replace_stages"]
+
+
+@dataclass(frozen=True)
+class StepTasks:
+    """A lowered step before assembly: its tasks, their stages and priorities, the pytree
+    of output keys (`OutKey` leaves), the outputs the client reads (`direct`: with direct
+    dispatch each is computed by a small task reading its worker's program) and the
+    further outputs read straight from their program (`outputs`: a Trainer's new
+    parameters, which the next step's program on that worker reads in place)."""
+
+    dsk: dict[str, Any]
+    stage_of: dict[str, int | None]
+    priority: dict[str, int]
+    keys: Any
+    direct: frozenset[str]
+    outputs: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Binding:
+    """What binds a step to its template: the template's key (everything the lowering
+    depends on besides what is bound), and the bound parts of this step. Slots are the
+    caller's names for bound values (a batch node; a (replica, node) pair; a parameter
+    group)."""
+
+    key: str
+    #: slot -> the value bound there (a batch array, or a replica's shard of it)
+    values: Mapping[Hashable, Any]
+    #: slot -> the Future bound there (resident parameters, a Trainer's state)
+    refs: Mapping[Hashable, Any]
+    #: capture: the key of each data node holding a bound value -> its slot
+    inputs: Mapping[str, Hashable]
+    #: capture: the key of each bound Future -> its slot
+    held: Mapping[str, Hashable]
+    #: bind: template keys renamed otherwise than by token, from the template's output
+    #: keys (e.g. a key that names the step's number)
+    rename: Callable[[Any], Mapping[str, str]] = field(default=lambda keys: {})
+
+
+def replace_stages(trace: Trace, offset: int) -> Trace:
+    """`trace` with every stage moved up by `offset` (a data-parallel replica's stages)."""
+    if offset == 0:
+        return trace
+    new = Trace(trace.name)
+    new.nodes = [dataclasses.replace(n, stage=n.stage + offset)
+                 if n.kind == "call" and n.stage is not None else n for n in trace.nodes]
+    new.closed = True
+    return new
+
+
+def lower_replicas(model: Any, options: Options, targets: Targets, client: Any,
+                   tokens: Sequence[str], *, p: int,
+                   batch: Callable[[int], Mapping[int, Any]],
+                   inputs: Callable[[int], Mapping[int, Any]],
+                   home: Mapping[int, int | None], aux: Any = None,
+                   devices: Mapping[int | None, int | None] | None = None,
+                   ) -> tuple[dict[str, Any], dict[str, int | None], dict[str, int],
+                              list[PipelineGraph]]:
+    """Replica r (`tokens[r]`) of the pipelined `model` on stages ``r*p ... r*p + p-1``,
+    reading `batch(r)` (node -> its full value for this replica) and `inputs(r)` (node ->
+    a resident (Future, leaf)); every replica's tasks in one dict. A step that cannot fit
+    a worker's memory limit is refused first (`MemoryLimitError`)."""
+    trace = model.trace
+    if client is not None and options.schedule is not None and targets.on_workers:
+        lstage = trace.nodes[model.loss.node].stage
+        for r in range(len(tokens)):
+            check_memory(trace, options.schedule, options.microbatches, options.remat,
+                         lstage, {g: targets.address(g + r * p) for g in range(p)}, client)
+    dsk: dict[str, Any] = {}
+    stage_of: dict[str, int | None] = {}
+    priority: dict[str, int] = {}
+    parts = []
+    for r, token in enumerate(tokens):
+        shift = r * p
+        pg = lower_pipeline(replace_stages(trace, shift), model.plan, token,
+                            microbatches=options.microbatches, schedule=options.schedule,
+                            batch=batch(r), axis=options.batch_axis, inputs=inputs(r),
+                            home={k: (v + shift if v is not None else None)
+                                  for k, v in home.items()},
+                            loss=model.loss, aux=aux if r == 0 else None,
+                            devices=dict(devices) if devices is not None else None,
+                            stage_offset=shift)
+        dsk.update(pg.dsk)
+        stage_of.update(pg.stage_of)
+        priority.update(pg.priority)
+        parts.append(pg)
+    return dsk, stage_of, priority, parts
+
+
+def compile_step(token: str, targets: Targets, direct: bool, binding: Binding | None,
+                 lower: Callable[[], StepTasks]) -> tuple[HighLevelGraph, Any]:
+    """The step's graph and output keys: bound to the template under `binding.key` when
+    there is one, else `lower()`-ed, assembled (into per-worker programs with `direct`
+    dispatch) and, with a binding, kept as that template."""
+    if binding is not None:
+        tpl = templates.lookup(binding.key)
+        if tpl is not None:
+            return tpl.bind(token, binding.values, binding.refs, binding.rename(tpl.keys))
+    tasks = lower()
+    if not direct or not targets.on_workers:
+        graph = assemble(tasks.dsk, tasks.stage_of, targets, token, priority=tasks.priority,
+                         direct=set(tasks.direct) if direct else None,
+                         outputs=set(tasks.outputs))
+        return graph, tasks.keys
+    graph, plan, prio, where = assemble_direct(
+        tasks.dsk, tasks.stage_of, targets, token, priority=tasks.priority,
+        direct=set(tasks.direct), outputs=set(tasks.outputs))
+    if binding is not None:
+        tpl = templates.StepTemplate.capture(token, "dagdiff", plan, prio, where,
+                                             targets.slots, binding.inputs, binding.held,
+                                             tasks.keys)
+        if tpl is not None:
+            templates.store(binding.key, tpl)
+    return graph, tasks.keys
