@@ -13,7 +13,8 @@ with import-linter, see setup.cfg):
   that touches distributed's private parts.
 - `cluster`: where stages run (targets, resident parameters) and `dd.local_cluster`.
 - `lowering`: traced model -> Dask tasks (keys, microbatches, schedule order, graph).
-- `build`: the one build path (trace, prepare, place, lower, assemble).
+- `build`: the one build path (trace, prepare, place, lower, assemble); its pipelined
+  core (`build.step`: replicas, assembly, step templates) is what `dd.Trainer` extends.
 - `inspect`: the graph picture, `dd.record` timelines, counters (read-only).
 - `plan`: `dd.profile` measurements, the `Profile` cost model, `dd.predict` and
   `dd.best_schedule`.

@@ -14,7 +14,7 @@ from typing import NamedTuple
 from ..errors import KeyFormatError
 
 
-__all__ = ["KeyInfo", "key_info", "make_key", "sanitize", "PHASES", "is_forward", "is_backward_of"]
+__all__ = ["KeyInfo", "key_info", "make_key", "sanitize", "PHASES"]
 
 #: key prefix -> phase reported by `key_info`
 PHASES: dict[str, str] = {
@@ -112,19 +112,3 @@ def key_info(key: object) -> KeyInfo:
         int(stage) if stage is not None else None,
         int(mb) if mb is not None else None,
     )
-
-
-_BACKWARD_PREFIXES = ("vjp_", "igrad_", "wgrad_")
-
-
-def is_forward(key: object) -> bool:
-    """True for the key of a layer call's forward task (``fwd_...``)."""
-    return isinstance(key, str) and key.startswith("fwd_")
-
-
-def is_backward_of(key: object, forward: str) -> bool:
-    """True when `key` is a backward task (VJP, or its I/W halves) of the layer call whose
-    forward task is `forward`: the same key but for the phase prefix. The one place that
-    relates the two (the scheduler plugin keeps them on one worker)."""
-    return (isinstance(key, str) and key.startswith(_BACKWARD_PREFIXES)
-            and key[key.index("_"):] == forward[forward.index("_"):])

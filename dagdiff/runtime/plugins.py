@@ -3,9 +3,10 @@ forward's pullback (and direct-dispatch actions reach the task stream, `LiveActi
 every worker, dagdiff is loaded and its direct-dispatch runtime installed.
 
 Pullbacks are unpicklable, so a VJP task placed elsewhere has to rematerialize. When a
-forward task's result lands in memory, the plugin restricts that forward's VJP tasks
-to its worker; when the result is lost (worker gone), the restriction is lifted so
-nothing waits forever on a dead worker.
+forward task's result lands in memory, the plugin restricts the backward tasks that name
+it in their ``dagdiff-pullback-of`` annotation (`runtime.tasks.PULLBACK_OF`, set where
+the graph is assembled) to its worker; when the result is lost (worker gone), the
+restriction is lifted so nothing waits forever on a dead worker.
 """
 from __future__ import annotations
 
@@ -19,13 +20,13 @@ from dask.utils import parse_timedelta
 from distributed.active_memory_manager import ReduceReplicas
 from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 
-from ..core.keys import is_backward_of, is_forward
 from .direct import install
 from .direct.runtime import PEER_LOST_OP
 from .internals import (amm_policies, pin_task, shorten_interval, stream_comms, unpin_task,
                         worker_stream)
 from .live import LiveActions
 from .serialize import register
+from .tasks import PULLBACK_OF
 
 
 __all__ = ["ColocateVJP", "ensure_colocation", "MEMBERSHIP_TOPIC", "is_registered"]
@@ -48,8 +49,8 @@ _registered: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 class ColocateVJP(SchedulerPlugin):
-    """Pin ``vjp_/igrad_/wgrad_`` tasks to the worker where their ``fwd_`` task ran
-    (unless the user pinned them with a ``workers=`` annotation)."""
+    """Pin each backward task to the worker where the forward task its ``dagdiff-pullback-of``
+    annotation names ran (unless the user pinned it with a ``workers=`` annotation)."""
 
     name = "dagdiff-colocate-vjp"
     idempotent = True                  # registered once per cluster, by its first client
@@ -93,8 +94,6 @@ class ColocateVJP(SchedulerPlugin):
             self.scheduler.log_event(MEMBERSHIP_TOPIC, {"action": action, "worker": worker})
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
-        if not is_forward(key):
-            return
         if finish != "memory" and start != "memory":
             return
         ts = self.scheduler.tasks.get(key) if self.scheduler is not None else None
@@ -104,9 +103,8 @@ class ColocateVJP(SchedulerPlugin):
         if finish == "memory" and ts.who_has:
             pin = {next(iter(ts.who_has)).address}
         for dts in ts.dependents:
-            k = dts.key
-            if (is_backward_of(k, key)
-                    and "workers" not in (dts.annotations or {})):  # explicit placement wins
+            notes = dts.annotations or {}
+            if notes.get(PULLBACK_OF) == key and "workers" not in notes:  # explicit wins
                 if pin is not None:
                     pin_task(dts, pin)
                 else:

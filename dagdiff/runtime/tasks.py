@@ -11,11 +11,16 @@ from ..core.custom import check_cotangents, fwd_result
 from ..core.spec import CallSpec
 from .compiled import compiled, note_remat, track_live
 from .memory import sample as sample_memory
-from .taskspec import TaskRef
+from .taskspec import Task, TaskRef
 
 
 __all__ = ["FwdResult", "fwd_task", "vjp_task", "sum_task", "slice_task", "mean_task",
-           "acc_task", "select_task", "leaves_read", "host_view"]
+           "acc_task", "select_task", "leaves_read", "host_view", "pullback_of",
+           "PULLBACK_OF"]
+
+#: the Dask annotation of a backward task naming the forward task whose result holds its
+#: pullback (`pullback_of`): dagdiff's scheduler plugin runs the two on one worker
+PULLBACK_OF = "dagdiff-pullback-of"
 
 
 class FwdResult:
@@ -201,6 +206,15 @@ def vjp_task(spec: CallSpec, srcs: tuple[int, ...], wrt: tuple[int, ...],
             fwd.pullback = fwd.grads = None
             track_live(fwd.tag, -1)
     return out
+
+
+def pullback_of(task: Any) -> str | None:
+    """The key of the forward task whose result a backward task reads its pullback from
+    (a `vjp_task`'s `fwd` argument), None for any other task."""
+    if isinstance(task, Task) and task.func is vjp_task:
+        ref = task.args[5]
+        return str(ref.key) if isinstance(ref, TaskRef) else None
+    return None
 
 
 def _vjp(spec: CallSpec, srcs: tuple[int, ...], wrt: tuple[int, ...],
