@@ -36,9 +36,10 @@ import dagdiff as dd
 from dagdiff.lowering import template as templates
 
 try:
-    from common import mlp_data, two_stage_loss
+    from common import job_args, mean_seconds, mlp_data, time_steps, two_stage_loss
 except ImportError:                       # run from the repository root
-    from benchmarks.common import mlp_data, two_stage_loss
+    from benchmarks.common import (job_args, mean_seconds, mlp_data, time_steps,
+                                   two_stage_loss)
 
 
 class GcClock:
@@ -79,18 +80,15 @@ def trainer_steps(client: Any, cfg: argparse.Namespace, params: Any, batches: li
     state = trainer.init(params)
     state, loss = trainer.step(state, *batches[0])      # places the state, compiles
     loss.result()
-    times = []
-    for i in range(n):
-        t0 = time.perf_counter()
-        state, loss = trainer.step(state, *batches[i % len(batches)])
-        loss.result()
-        times.append(time.perf_counter() - t0)
-    fits = []
-    for _ in range(2):
-        t0 = time.perf_counter()
-        state, _ = trainer.fit([batches[i % len(batches)] for i in range(n)], state=state,
-                               progress=False)
-        fits.append((time.perf_counter() - t0) / n)
+
+    def one(i: int, batch: Any) -> Any:
+        nonlocal state
+        state, loss = trainer.step(state, *batch)
+        return loss.result()
+
+    times, _ = time_steps(one, [batches[i % len(batches)] for i in range(n)])
+    fits = mean_seconds(lambda: trainer.fit([batches[i % len(batches)] for i in range(n)],
+                                            state=state, progress=False), n, repeat=2)
     return {"trainer.step": statistics.median(times), "fit": min(fits)}
 
 
@@ -132,12 +130,7 @@ def scale(pairs: list[str]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--width", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--rounds", type=int, default=3)
+    job_args(ap, width=64, batch=64, layers=4, microbatches=8, steps=20, rounds=3)
     ap.add_argument("--scale", nargs="+", default=None, metavar="P:M")
     cfg = ap.parse_args()
     if cfg.scale:

@@ -137,22 +137,18 @@ def run_jax(cfg: Cfg, adam: bool) -> Result:
         u, s = opt.update(g, s, p)
         return optax.apply_updates(p, u), s, loss
 
+    from common import time_steps
+
     state = opt.init(params)
-    times, first = [], float("nan")
-    for i, (x, t) in enumerate(batches):
-        t0 = time.perf_counter()
+
+    def one(i: int, batch: Any) -> Any:
+        nonlocal params, state
         if adam:
-            params, state, loss = train(params, state, x, t)
-            jax.block_until_ready((params, loss))
-        else:
-            loss, grads = vg(params, x, t)
-            jax.block_until_ready((loss, grads))
-        dt = time.perf_counter() - t0
-        if i == 0:
-            first = float(loss)
-        if i >= cfg.warmup:
-            times.append(dt)
-    return Result(times, first)
+            params, state, loss = train(params, state, *batch)
+            return jax.block_until_ready((params, loss))[1]
+        return jax.block_until_ready(vg(params, *batch))[0]
+
+    return Result(*time_steps(one, batches, cfg.warmup))
 
 
 # -------------------------------------------------------------------------------- torch
@@ -319,24 +315,24 @@ def run_dagdiff(client: Any, cfg: Cfg, schedule: str) -> Result:
     params_np, batches_np = make_data(cfg)
     params = [{"w": jnp.asarray(w), "b": jnp.asarray(b)} for w, b in params_np]
     batches = [(jnp.asarray(x), jnp.asarray(t)) for x, t in batches_np]
+    from common import time_steps
+
     step = dd.value_and_grad(_dd_loss, microbatches=cfg.microbatches, schedule=schedule)
-    times, first = [], float("nan")
     futs: list[Any] = []
+
+    def one(i: int, batch: Any) -> Any:
+        nonlocal futs
+        futs = []                    # release the previous step's futures first
+        loss, grads = step(params, *batch)
+        futs = client.compute([loss, *jax.tree_util.tree_leaves(grads)])
+        value = futs[0].result()
+        wait(futs)                   # the grads are computed (on the workers), not gathered
+        return value
+
     with client.as_current():
-        for i, (x, t) in enumerate(batches):
-            del futs                 # release the previous step's futures first
-            t0 = time.perf_counter()
-            loss, grads = step(params, x, t)
-            futs = client.compute([loss, *jax.tree_util.tree_leaves(grads)])
-            value = futs[0].result()
-            wait(futs)               # the grads are computed (on the workers), not gathered
-            dt = time.perf_counter() - t0
-            if i == 0:
-                first = float(value)
-            if i >= cfg.warmup:
-                times.append(dt)
-        del futs
-    return Result(times, first)
+        out = Result(*time_steps(one, batches, cfg.warmup))
+    futs = []
+    return out
 
 
 def run_dagdiff_adam(client: Any, cfg: Cfg, schedule: str) -> Result:
@@ -351,19 +347,18 @@ def run_dagdiff_adam(client: Any, cfg: Cfg, schedule: str) -> Result:
     batches = [(jnp.asarray(x), jnp.asarray(t)) for x, t in batches_np]
     tr = dd.Trainer(_dd_loss, optax.adam(1e-3), microbatches=cfg.microbatches,
                     schedule=schedule, client=client)
+    from common import time_steps
+
     state = tr.init(params, *batches[0])
-    times, first = [], float("nan")
-    for i, (x, t) in enumerate(batches):
-        t0 = time.perf_counter()
-        state, loss = tr.step(state, x, t)
-        value = loss.result()
-        dt = time.perf_counter() - t0
-        if i == 0:
-            first = float(value)
-        if i >= cfg.warmup:
-            times.append(dt)
-    del state, loss
-    return Result(times, first)
+
+    def one(i: int, batch: Any) -> Any:
+        nonlocal state
+        state, loss = tr.step(state, *batch)
+        return loss.result()
+
+    out = Result(*time_steps(one, batches, cfg.warmup))
+    del state
+    return out
 
 
 def run_dagdiff_fit(client: Any, cfg: Cfg, schedule: str) -> Result:
@@ -380,14 +375,12 @@ def run_dagdiff_fit(client: Any, cfg: Cfg, schedule: str) -> Result:
     batches = [(jnp.asarray(x), jnp.asarray(t)) for x, t in batches_np]
     tr = dd.Trainer(_dd_loss, optax.adam(1e-3), microbatches=cfg.microbatches,
                     schedule=schedule, client=client)
+    from common import mean_seconds
+
     state, losses = tr.fit(batches[:cfg.warmup], params=params, progress=False)
-    first = float(losses[0])
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        tr.fit(batches[cfg.warmup:], state=state, progress=False)
-        times.append((time.perf_counter() - t0) / cfg.steps)
-    return Result(times, first)
+    times = mean_seconds(lambda: tr.fit(batches[cfg.warmup:], state=state, progress=False),
+                         cfg.steps, repeat=3)
+    return Result(times, float(losses[0]))
 
 
 # -------------------------------------------------------------------------- compute bound
@@ -492,18 +485,14 @@ def dagdiff_split(client: Any, cfg: Cfg, schedule: str) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=512)
-    ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument("--layers", type=int, default=8, help="even: 2 stages of layers/2")
+    from common import job_args
+
+    # --rounds: the systems this many times in turn (one dagdiff cluster); the ratios are
+    # the median of each round's ratio (a noisy machine drifts); --steps: their median
+    job_args(ap, width=1024, batch=512, microbatches=8, layers=8, steps=6, warmup=2,
+             rounds=1, seed=0)
     ap.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "zb-h1"),
                     help="dagdiff's schedule (torch runs 1F1B and GPipe)")
-    ap.add_argument("--steps", type=int, default=6, help="measured steps (median)")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="run the systems this many times in turn (one dagdiff cluster); "
-                         "ratios: the median of each round's ratio (a noisy machine drifts)")
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     ap.add_argument("--malloc", default="default", choices=MALLOC_CHOICES,
                     help="glibc malloc variables of the dagdiff workers (see above)")

@@ -22,18 +22,14 @@ import optax
 from distributed import Client
 
 import dagdiff as dd
+from common import job_args
 from common import two_stage_loss as loss_fn
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--width", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--microbatches", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=4,
-                    help="recover=True / recover=False rounds, interleaved (default 4)")
+    # --rounds: recover=True / recover=False rounds, interleaved
+    job_args(ap, width=512, layers=4, batch=256, steps=10, microbatches=4, rounds=4)
     a = ap.parse_args()
     key = jax.random.PRNGKey(0)
     params = [{"w": jax.random.normal(jax.random.fold_in(key, i), (a.width, a.width))
