@@ -202,6 +202,76 @@ def test_messages_arrive_in_order(where: str, request: Any) -> None:
     assert got == [f"k{i}" for i in range(300)]
 
 
+def _send_values(to: str, dask_worker: Any) -> None:
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    from dagdiff.runtime.tasks import FwdResult
+
+    rt = dask_worker.extensions["dagdiff"]
+    values = _wire_values(jnp, ml_dtypes, FwdResult)
+    for k, v in values.items():
+        rt.transport.send(to, Value("r-wire", k, 1, pack(v)), lambda e: None)
+
+
+def _wire_values(jnp: Any, ml_dtypes: Any, FwdResult: Any) -> dict[str, Any]:
+    small = np.arange(12, dtype=np.float32).reshape(3, 4)
+    return {
+        "small": small,                                   # inline (<= INLINE_BYTES)
+        "jax": jnp.asarray(small) * 2,                     # a CPU jax array, inline
+        "big": np.arange(40_000, dtype=np.float64),        # over the limit: Dask's way
+        "scalar": np.array(3.5, dtype=np.float32),             # 0-d
+        "ints": np.array([[1, -2], [3, 4]], dtype=np.int64),
+        "bools": np.array([True, False, True]),
+        "bf16": np.ones((2, 2), dtype=ml_dtypes.bfloat16),  # no NumPy dtype string: Dask's
+        "strided": small[:, ::2],                          # a non-contiguous view
+        "tuple": (small, None, np.ones(3, np.float16)),
+        "fwd": FwdResult([small, np.ones(5, np.float32)], None),
+    }
+
+
+def _got_values(dask_worker: Any) -> Any:
+    st = dask_worker.extensions["dagdiff"]._state("r-wire")
+    return {k: v[0] for k, v in st.values.items()}
+
+
+@pytest.mark.distributed
+def test_values_cross_the_wire_unchanged(client2: Any) -> None:
+    """Small host arrays travel inline in the message, large ones and dtypes NumPy cannot
+    name through Dask's serializers: each arrives with its dtype, shape and values, as a
+    writeable array of its own."""
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    from dagdiff.runtime.tasks import FwdResult
+
+    from dagdiff.runtime.direct.messages import INLINE_BYTES
+
+    assert set(pack(np.ones(INLINE_BYTES // 8))["v"]) == {"nd", "shape", "data"}
+    assert not isinstance(pack(np.ones(INLINE_BYTES // 8 + 1))["v"], dict)
+    a0, a1 = _addresses(client2)
+    want = _wire_values(jnp, ml_dtypes, FwdResult)
+    client2.run(_send_values, a1, workers=[a0])
+    got = _until(lambda: (lambda g: g if len(g) == len(want) else None)(
+        client2.run(_got_values, workers=[a1])[a1]))
+    assert got and set(got) == set(want)
+
+    def same(u: Any, v: Any) -> None:
+        u = np.asarray(u)
+        v = np.asarray(v)
+        assert u.dtype == v.dtype and u.shape == v.shape, (u.dtype, u.shape, v.dtype, v.shape)
+        np.testing.assert_array_equal(u.astype(np.float64), v.astype(np.float64))
+
+    for k in ("small", "jax", "big", "scalar", "ints", "bools", "bf16", "strided"):
+        same(got[k], want[k])
+        assert isinstance(got[k], np.ndarray) and got[k].flags.writeable, k
+    same(got["tuple"][0], want["tuple"][0])
+    assert got["tuple"][1] is None
+    same(got["tuple"][2], want["tuple"][2])
+    for u, v in zip(got["fwd"].out, want["fwd"].out):
+        same(u, v)
+
+
 class _Unpicklable:
     """Pickles fine, fails to unpickle (a class the receiver cannot rebuild)."""
 

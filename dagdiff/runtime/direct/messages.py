@@ -5,12 +5,20 @@ import dataclasses
 from typing import Any, Union
 
 import jax
+import numpy as np
 from distributed.protocol import to_serialize
 
 from ..tasks import FwdResult, host_view
 
 
-__all__ = ["Value", "Failure", "End", "Message", "to_wire", "from_wire", "pack", "unpack"]
+__all__ = ["Value", "Failure", "End", "Message", "to_wire", "from_wire", "pack", "unpack",
+           "INLINE_BYTES"]
+
+#: host arrays up to this size travel inline in the message (dtype, shape and bytes in
+#: its msgpack), larger ones and device arrays through Dask's serializers (out of band,
+#: the ``cuda`` family for GPU arrays): a small array's Dask serialization costs more
+#: than sending it
+INLINE_BYTES = 64 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,18 +94,32 @@ def unpack(d: Any) -> Any:
         return None
     t = d["t"]
     if t == "fwd":
-        return FwdResult(list(d["out"]), None, moved=True, res=d["res"])
+        return FwdResult([_unleaf(x) for x in d["out"]], None, moved=True, res=d["res"])
     if t in ("tuple", "list"):
         items = [unpack(v) for v in d["items"]]
         return tuple(items) if t == "tuple" else items
-    return d["v"]
+    return _unleaf(d["v"])
 
 
 def _leaf(x: Any) -> Any:
     # CPU jax arrays as NumPy (no copy, and no JAX reconstruction on the receiver: the
     # consumer's jitted function puts them on its device); GPU arrays stay jax arrays so
     # dagdiff's ``cuda`` serializer can send the device buffer
-    return None if x is None else to_serialize(host_view(x))
+    if x is None:
+        return None
+    v = host_view(x)
+    if (isinstance(v, np.ndarray) and v.nbytes <= INLINE_BYTES and v.dtype.kind in "biufc"
+            and v.dtype.byteorder in "=|<"):
+        return {"nd": v.dtype.str, "shape": list(v.shape), "data": v.tobytes()}
+    return to_serialize(v)
+
+
+def _unleaf(x: Any) -> Any:
+    """A leaf as `_leaf` sent it: an inline array rebuilt (writeable, its own buffer)."""
+    if isinstance(x, dict) and "nd" in x:
+        return np.frombuffer(bytearray(x["data"]), dtype=np.dtype(x["nd"])).reshape(
+            tuple(x["shape"]))
+    return x
 
 
 def _tree(x: Any) -> Any:

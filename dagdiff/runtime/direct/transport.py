@@ -113,8 +113,7 @@ class Transport:
                     if fresh:
                         peer.comm = await asyncio.wait_for(self._connect(peer.address),
                                                            CONNECT_TIMEOUT + 1)
-                    await asyncio.wait_for(peer.comm.write([w for w, _ in batch]),
-                                           WRITE_TIMEOUT)
+                    await _write(peer.comm, [w for w, _ in batch])
                     error = None
                     break
                 except Exception as e:          # noqa: BLE001 - reported to each sender
@@ -180,6 +179,19 @@ class Transport:
             peer.queue.clear()
             if peer.comm is not None:
                 peer.comm.abort()
+
+
+_timeout = getattr(asyncio, "timeout", None)       # Python >= 3.11
+
+
+async def _write(comm: Any, msgs: list[dict[str, Any]]) -> None:
+    """`comm.write(msgs)` within `WRITE_TIMEOUT` (``asyncio.timeout`` where it exists:
+    no task per write, unlike ``asyncio.wait_for`` before Python 3.12)."""
+    if _timeout is None:
+        await asyncio.wait_for(comm.write(msgs), WRITE_TIMEOUT)
+        return
+    async with _timeout(WRITE_TIMEOUT):
+        await comm.write(msgs)
 
 
 def _broken(e: BaseException) -> bool:
