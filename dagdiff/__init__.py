@@ -64,7 +64,7 @@ from .plan.profile import profile
 from .inspect.capture import record
 from .runtime.direct import install
 from .runtime.serialize import register as _register_serializers
-from .schedules import Schedule, get_schedule
+from .schedules import PipelineProgram, Schedule, compile_schedule, get_schedule
 from .train.checkpoint import load, save
 from .train.trainer import Trainer, TrainState
 
@@ -116,6 +116,8 @@ __all__ = [
     "ArgumentError",
     "MemoryLimitError",
     "get_schedule",
+    "compile_schedule",
+    "PipelineProgram",
     "DagdiffError",
     "LayerShapeError",
     "LayerTypeError",

@@ -293,3 +293,31 @@ def test_multi_chunk_schedules_run_their_layout_and_order(client2: Any, name: st
     close(got[1], want_g)
     assert dd.remat_count(client) == 0
     assert dd.peak_live(client) == _per_stage_peaks(sched, p, m)
+
+
+@pytest.mark.parametrize("schedule,p,m", [("1f1b", 3, 5), ("gpipe", 2, 3), ("zb-h1", 2, 4)])
+def test_a_step_runs_the_compiled_schedule_in_order(schedule: str, p: int, m: int) -> None:
+    """The lowering follows `dd.compile_schedule`: on each stage's worker, the step's
+    layer actions ranked by their priorities are that worker's compiled order (less the
+    actions that have no task there: stage 0's I, which no input needs, and a backward
+    fused into the loss's forward)."""
+    params, x, t = data(p, batch=2 * m)
+    loss, _ = dd.value_and_grad(make_loss(p), microbatches=m, schedule=schedule)(params, x, t)
+    graph = loss.__dask_graph__()
+    prio = {}
+    for layer in graph.layers.values():
+        rank = (layer.annotations or {}).get("priority")
+        for k in layer:
+            info = dd.key_info(k)
+            if info.phase in ("F", "B", "I", "W") and rank is not None:
+                prio[k] = (rank(k), info)
+    prog = dd.compile_schedule(schedule, p, m)
+    for w, acts in enumerate(prog.workers):
+        ranked = sorted((v for v in prio.values() if v[1].stage == w), key=lambda v: -v[0])
+        seen: list[tuple[str, int]] = []
+        for _, info in ranked:
+            if not seen or seen[-1] != (info.phase, info.microbatch):
+                seen.append((info.phase, info.microbatch))
+        assert len(seen) >= len(acts) - m
+        assert seen == [(a.kind, a.microbatch) for a in acts
+                        if (a.kind, a.microbatch) in set(seen)], w

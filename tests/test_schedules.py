@@ -310,3 +310,66 @@ def test_deadlocking_user_schedule_is_reported() -> None:
 
     with pytest.raises(ScheduleError, match="deadlock"):
         simulate(Broken(), 2, 1)
+
+
+def test_compiled_1f1b_is_the_textbook_order() -> None:
+    """`compile_schedule`: per worker its actions in order (the CSV form torch dumps),
+    the textbook 1F1B with p - 1 - w warm-up forwards on worker w."""
+    from dagdiff.schedules import compile_schedule
+
+    prog = compile_schedule("1f1b", 4, 6)
+    assert prog.to_csv().splitlines() == [
+        "F0,F1,F2,F3,B0,F4,B1,F5,B2,B3,B4,B5",
+        "F0,F1,F2,B0,F3,B1,F4,B2,F5,B3,B4,B5",
+        "F0,F1,B0,F2,B1,F3,B2,F4,B3,F5,B4,B5",
+        "F0,B0,F1,B1,F2,B2,F3,B3,F4,B4,F5,B5",
+    ]
+    assert [a.stage for a in prog.workers[2]] == [2] * 12
+    assert compile_schedule("1f1b", 4, 6) is prog              # compiled once
+
+
+@pytest.mark.parametrize("name,p,m", [("1f1b", 4, 6), ("gpipe", 3, 4), ("interleaved", 2, 4),
+                                      ("zb-h1", 3, 5), ("dualpipev", 2, 4)])
+def test_compiled_steps_respect_every_dependency(name: str, p: int, m: int) -> None:
+    """The printed time grid (`steps`, `format`): every action once, one per worker and
+    step, and each after what it needs (F after the previous stage's F of its
+    microbatch; B/I after the next stage's B/I, the last stage's after its own F; W after
+    its I); chunks name their global stage when workers hold several."""
+    from dagdiff.schedules import compile_schedule
+
+    prog = compile_schedule(name, p, m)
+    when: dict[tuple[int, int, str], int] = {}
+    for t, row in enumerate(prog.steps()):
+        assert len(row) == p
+        for a in row:
+            if a is not None:
+                assert a.key() not in when
+                when[a.key()] = t
+    assert sorted(when) == sorted(a.key() for acts in prog.workers for a in acts)
+    n = prog.num_stages
+    for (g, mb, kind), t in when.items():
+        if kind == "F" and g > 0:
+            assert when[(g - 1, mb, "F")] < t
+        if kind in "BI":
+            nxt = (g + 1, mb, kind) if g + 1 < n else (g, mb, "F")
+            assert when[nxt] < t, (g, mb, kind)
+        if kind == "W":
+            assert when[(g, mb, "I")] < t
+    text = prog.format()
+    assert text.splitlines()[1].split() == [x for w in range(p) for x in ("worker", str(w))]
+    assert len(text.splitlines()) == 2 + len(prog.steps())
+    assert ("@s" in text) == (prog.virtual_stages > 1)
+
+
+def test_a_schedule_that_cannot_run_does_not_compile() -> None:
+    from dagdiff.schedules import compile_schedule
+
+    class Stuck(Schedule):
+        name = "stuck"
+
+        def orders(self, num_stages: int, microbatches: int) -> list[list[Action]]:
+            # the last stage runs its backward of microbatch 0 before any forward arrives
+            return [[Action("F", 0), Action("B", 0)], [Action("B", 0), Action("F", 0)]]
+
+    with pytest.raises(ScheduleError):
+        compile_schedule(Stuck(), 2, 1)

@@ -17,7 +17,8 @@ from ..core.tracer import Trace, Traced
 from ..errors import CycleError, PlacementError, ScheduleError
 from ..runtime.tasks import acc_task, host_view, mean_task, select_task, slice_task
 from ..runtime.taskspec import DataNode, Task, TaskRef
-from ..schedules import Schedule, simulate
+from ..schedules import Schedule
+from ..schedules.program import compile_schedule
 from ..schedules.memory import back_to_back
 from .lower import Lowered, lower, select
 
@@ -179,16 +180,15 @@ def backward_order(trace: Trace, schedule: Schedule, m: int, stage_offset: int =
     if n_stages % v:
         return {}
     try:
-        layout = schedule.checked_layout(n_stages // v)
-        table = schedule.table(n_stages // v, m)
+        program = compile_schedule(schedule, n_stages // v, m)
     except Exception:       # noqa: BLE001 - order_actions raises the error
         return {}
     kind = "W" if schedule.split_backward else "B"
     out: dict[int, list[int]] = {}
-    for w, acts in enumerate(table):
+    for acts in program.workers:
         for act in acts:
             if act.kind == kind:
-                out.setdefault(stage_offset + layout[w][act.chunk], []).append(act.microbatch)
+                out.setdefault(stage_offset + act.stage, []).append(act.microbatch)
     return {g: seq for g, seq in out.items() if sorted(seq) == list(range(m))}
 
 
@@ -247,8 +247,9 @@ def order_actions(dsk: dict[str, Any], lowered: list[Lowered], trace: Trace,
             f"schedule {schedule.name!r} with {v} virtual stages per worker needs a number of "
             f"stages divisible by {v}; the model has {n_stages}")
     p = n_stages // v
-    simulate(schedule, p, m)                 # a custom schedule that cannot run fails here
-    layout = schedule.checked_layout(p)      # worker w's chunk c is stage layout[w][c]
+    # the schedule compiled once (checked, runnable, each action's global stage): the
+    # order every dispatch mode follows
+    program = compile_schedule(schedule, p, m)
     # the tasks of each action (stage, microbatch, phase), from the lowering's own records
     tasks: dict[tuple[int, int, str], list[str]] = defaultdict(list)
     label: dict[str, str] = {}
@@ -263,11 +264,10 @@ def order_actions(dsk: dict[str, Any], lowered: list[Lowered], trace: Trace,
                 tasks[(n.stage, mb, phase)].append(key)
                 label[key] = f"{phase}{mb} of {n.name!r} (stage {n.stage})"
     priority: dict[str, int] = {}
-    for w, acts in enumerate(schedule.table(p, m)):
+    for acts in program.workers:
         prev_exit: list[str] = []
         for pos, act in enumerate(acts):
-            stage = stage_offset + layout[w][act.chunk]
-            keys = tasks.get((stage, act.microbatch, act.kind), [])
+            keys = tasks.get((stage_offset + act.stage, act.microbatch, act.kind), [])
             if not keys:
                 continue
             inside = set(keys)

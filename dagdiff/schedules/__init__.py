@@ -7,6 +7,7 @@ from .action import ACTION_KINDS, Action, parse_action
 from .base import Schedule, interleaved_layout, v_layout
 from .builtin import SCHEDULES, GPipe, Interleaved, OneFOneB, ZeroBubbleH1, get_schedule
 from .multichunk import DualPipeV, InterleavedZeroBubble, LoopedBFS, ZeroBubbleV
+from .program import PipelineProgram, StageAction, compile_schedule
 from .simulate import SimResult, bubble_formula, ideal_makespan, simulate
 
 
@@ -19,13 +20,16 @@ __all__ = [
     "InterleavedZeroBubble",
     "LoopedBFS",
     "OneFOneB",
+    "PipelineProgram",
     "SCHEDULES",
     "Schedule",
     "ScheduleError",
     "SimResult",
+    "StageAction",
     "ZeroBubbleH1",
     "ZeroBubbleV",
     "bubble_formula",
+    "compile_schedule",
     "get_schedule",
     "ideal_makespan",
     "interleaved_layout",
