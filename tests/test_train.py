@@ -299,3 +299,25 @@ def test_a_trainer_steps_graph_pickles_with_plain_pickle(client2: Any) -> None:
     assert len(graphs) == 3                   # the lowered step, then two bound ones
     for graph, _, _ in graphs:
         pickle.dumps(dict(graph), protocol=5)
+
+
+def test_the_client_heap_is_frozen_after_the_first_and_sixteenth_step(monkeypatch: Any) -> None:
+    """`build.heap.freeze_heap`: steps built for a cluster collect and `gc.freeze()` the
+    client's heap after the first and the 16th (then never again); not without a
+    cluster, nor with dask config ``dagdiff.freeze-heap: false``."""
+    import dask
+
+    from dagdiff.build import heap
+
+    calls: list[str] = []
+    monkeypatch.setattr(heap.gc, "collect", lambda *a: calls.append("collect"))
+    monkeypatch.setattr(heap.gc, "freeze", lambda: calls.append(f"freeze@{heap._built}"))
+    monkeypatch.setattr(heap, "_built", 0)
+    monkeypatch.setattr(heap, "_FROZEN", False)
+    assert not heap.freeze_heap(None)                  # the local scheduler: no cluster
+    with dask.config.set({"dagdiff.freeze-heap": False}):
+        assert not any(heap.freeze_heap(object()) for _ in range(20))
+    assert calls == [] and not heap.heap_frozen()
+    froze = [i + 1 for i in range(40) if heap.freeze_heap(object())]
+    assert froze == [1, 16] and heap.heap_frozen()
+    assert calls == ["collect", "freeze@1", "collect", "freeze@16"]

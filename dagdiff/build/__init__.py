@@ -12,8 +12,6 @@ Trainer needs from the layers below comes through this package.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import gc
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -43,12 +41,14 @@ from ..lowering.lower import lower, select, trace_token
 from ..lowering.pipeline import stage_workers
 from ..runtime.plugins import ensure_colocation
 from ..runtime.shippable import check_shippable
+from .heap import freeze_heap, without_gc
 from .options import DISPATCH_MODES, LOWERING_SETTINGS, Options
 from .step import Binding, StepTasks, compile_step, lower_replicas, replace_stages
 
 
 __all__ = ["Options", "Model", "Build", "build", "trace_model", "targets_and_inputs",
-           "resolve_dispatch", "step_token", "program_homes", "without_gc", "DISPATCH_MODES",
+           "resolve_dispatch", "step_token", "program_homes", "without_gc", "freeze_heap",
+           "DISPATCH_MODES",
            "LOWERING_SETTINGS", "Binding", "StepTasks", "compile_step", "lower_replicas",
            "replace_stages", "OutKey", "to_delayed", "stage_workers", "pinned", "templates"]
 
@@ -108,22 +108,6 @@ def _user_form(grads: Any, form: ModelForm | None) -> Any:
     if form is not None:
         grads = form.grads(grads)
     return DelayedTree(grads) if needs_collection(grads) else grads
-
-
-def without_gc(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Pause the cyclic garbage collector while building a graph: building allocates many
-    small objects, and collections of a large heap (jax, dask, distributed loaded) cost
-    more than the building itself."""
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        was = gc.isenabled()
-        gc.disable()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            if was:
-                gc.enable()
-    return run
 
 
 def trace_model(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
@@ -312,6 +296,7 @@ def build(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
             return StepTasks(dsk, stage_of, priority, keys, outs)
 
         graph, keys = compile_step(token, targets, direct, binding, lowered)
+        freeze_heap(client)
         return Build(model, options, targets, graph, keys, token, mode)
     low = lower(trace, model.plan, token, inputs=inputs, devices=devices,
                 fuse_seeded=True)
@@ -323,6 +308,7 @@ def build(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
     for node, key in low.data_keys.items():
         low.stage_of[key] = home.get(node)
     graph = assemble(low.dsk, low.stage_of, targets, token)
+    freeze_heap(client)
     return Build(model, options, targets, graph, keys, token, mode)
 
 

@@ -17,6 +17,7 @@ from ..build import (
     lower_replicas,
     program_homes,
     templates,
+    without_gc,
 )
 from ..cluster.targets import Targets
 from ..core.keys import make_key
@@ -48,6 +49,7 @@ class StepGraph:
     microbatch the pipelined model, the all-reduce of the gradients, one optax update per
     (replica, group), bound to a template of an earlier step when one fits."""
 
+    @without_gc
     def _step_graph(self, model: "StepModel", state: TrainState, batch: Sequence[Any],
                     token: str, targets: Targets, direct: bool
                     ) -> tuple[Any, list[OutKey], list[tuple[int, int]]]:

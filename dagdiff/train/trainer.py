@@ -29,6 +29,7 @@ import optax
 
 from ..build import (
     Options,
+    freeze_heap,
     program_homes,
     resolve_dispatch,
     stage_workers,
@@ -337,6 +338,7 @@ class Trainer(StepGraph, Restoring):
                            self._uid, state_identity(state), batch_token(batch),
                            program_homes("direct" if direct else "", targets))
         graph, out_keys, order = self._step_graph(model, state, batch, token, targets, direct)
+        freeze_heap(self.client)
         outs = to_delayed(graph, out_keys)
         if self.client is None:
             values = dask.compute(*outs, scheduler="threads")
