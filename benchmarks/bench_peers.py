@@ -137,7 +137,7 @@ def run_jax(cfg: Cfg, adam: bool) -> Result:
         u, s = opt.update(g, s, p)
         return optax.apply_updates(p, u), s, loss
 
-    from common import time_steps
+    from timing import time_steps
 
     state = opt.init(params)
 
@@ -315,14 +315,17 @@ def run_dagdiff(client: Any, cfg: Cfg, schedule: str) -> Result:
     params_np, batches_np = make_data(cfg)
     params = [{"w": jnp.asarray(w), "b": jnp.asarray(b)} for w, b in params_np]
     batches = [(jnp.asarray(x), jnp.asarray(t)) for x, t in batches_np]
-    from common import time_steps
+    from timing import time_steps
 
     step = dd.value_and_grad(_dd_loss, microbatches=cfg.microbatches, schedule=schedule)
     futs: list[Any] = []
 
+    def release() -> None:           # the previous step's futures, before the clock starts
+        nonlocal futs
+        futs = []
+
     def one(i: int, batch: Any) -> Any:
         nonlocal futs
-        futs = []                    # release the previous step's futures first
         loss, grads = step(params, *batch)
         futs = client.compute([loss, *jax.tree_util.tree_leaves(grads)])
         value = futs[0].result()
@@ -330,7 +333,7 @@ def run_dagdiff(client: Any, cfg: Cfg, schedule: str) -> Result:
         return value
 
     with client.as_current():
-        out = Result(*time_steps(one, batches, cfg.warmup))
+        out = Result(*time_steps(one, batches, cfg.warmup, before=release))
     futs = []
     return out
 
@@ -347,7 +350,7 @@ def run_dagdiff_adam(client: Any, cfg: Cfg, schedule: str) -> Result:
     batches = [(jnp.asarray(x), jnp.asarray(t)) for x, t in batches_np]
     tr = dd.Trainer(_dd_loss, optax.adam(1e-3), microbatches=cfg.microbatches,
                     schedule=schedule, client=client)
-    from common import time_steps
+    from timing import time_steps
 
     state = tr.init(params, *batches[0])
 
@@ -375,7 +378,7 @@ def run_dagdiff_fit(client: Any, cfg: Cfg, schedule: str) -> Result:
     batches = [(jnp.asarray(x), jnp.asarray(t)) for x, t in batches_np]
     tr = dd.Trainer(_dd_loss, optax.adam(1e-3), microbatches=cfg.microbatches,
                     schedule=schedule, client=client)
-    from common import mean_seconds
+    from timing import mean_seconds
 
     state, losses = tr.fit(batches[:cfg.warmup], params=params, progress=False)
     times = mean_seconds(lambda: tr.fit(batches[cfg.warmup:], state=state, progress=False),
@@ -485,7 +488,7 @@ def dagdiff_split(client: Any, cfg: Cfg, schedule: str) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    from common import job_args
+    from timing import job_args
 
     # --rounds: the systems this many times in turn (one dagdiff cluster); the ratios are
     # the median of each round's ratio (a noisy machine drifts); --steps: their median

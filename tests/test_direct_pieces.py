@@ -227,19 +227,38 @@ def _wire_values(jnp: Any, ml_dtypes: Any, FwdResult: Any) -> dict[str, Any]:
         "strided": small[:, ::2],                          # a non-contiguous view
         "tuple": (small, None, np.ones(3, np.float16)),
         "fwd": FwdResult([small, np.ones(5, np.float32)], None),
+        "masked": np.ma.masked_array([1.0, 2.0, 3.0], mask=[False, True, False]),
+        "big-endian": np.arange(5, dtype=">f4"),
+        "user-dict": {"t": "nd", "nd": 1, "x": np.ones(2)},   # not mistaken for an array
     }
 
 
 def _got_values(dask_worker: Any) -> Any:
     st = dask_worker.extensions["dagdiff"]._state("r-wire")
-    return {k: v[0] for k, v in st.values.items()}
+    return {k: v[0] for k, v in st.values.items()}, dict(st.errors)
+
+
+def _send_float8(to: str, dask_worker: Any) -> None:
+    import ml_dtypes
+
+    rt = dask_worker.extensions["dagdiff"]
+    rt.transport.send(to, Value("r-wire", "f8", 1,
+                                pack(np.ones(4, dtype=ml_dtypes.float8_e5m2))), lambda e: None)
+
+
+def _forget_run(run: str, dask_worker: Any) -> None:
+    """Drop a run that no program will take (its values would otherwise be held, and
+    counted by memory measurements on this shared cluster, for `STALE_AFTER`)."""
+    dask_worker.extensions["dagdiff"]._finish(run, "ended")
 
 
 @pytest.mark.distributed
 def test_values_cross_the_wire_unchanged(client2: Any) -> None:
     """Small host arrays travel inline in the message, large ones and dtypes NumPy cannot
     name through Dask's serializers: each arrives with its dtype, shape and values, as a
-    writeable array of its own."""
+    writeable array of its own (a masked array with its mask, a user's dict as a dict).
+    A value that cannot be rebuilt on the receiver arrives as an error naming it (its
+    consumer fails at once) rather than never."""
     import jax.numpy as jnp
     import ml_dtypes
 
@@ -247,14 +266,19 @@ def test_values_cross_the_wire_unchanged(client2: Any) -> None:
 
     from dagdiff.runtime.direct.messages import INLINE_BYTES
 
-    assert set(pack(np.ones(INLINE_BYTES // 8))["v"]) == {"nd", "shape", "data"}
-    assert not isinstance(pack(np.ones(INLINE_BYTES // 8 + 1))["v"], dict)
+    assert pack(np.ones(INLINE_BYTES // 8))["t"] == "nd"               # inline
+    assert pack(np.ones(INLINE_BYTES // 8 + 1))["t"] == "v"            # Dask's serializers
     a0, a1 = _addresses(client2)
     want = _wire_values(jnp, ml_dtypes, FwdResult)
     client2.run(_send_values, a1, workers=[a0])
-    got = _until(lambda: (lambda g: g if len(g) == len(want) else None)(
-        client2.run(_got_values, workers=[a1])[a1]))
-    assert got and set(got) == set(want)
+    client2.run(_send_float8, a1, workers=[a0])
+    try:
+        got, errors = _until(lambda: (lambda g: g if len(g[0]) + len(g[1]) > len(want) else
+                                      None)(client2.run(_got_values, workers=[a1])[a1]))
+    finally:
+        client2.run(_forget_run, "r-wire", workers=[a1])
+    assert set(got) == set(want) and set(errors) == {"f8"}, (sorted(got), errors)
+    assert "f8" in errors["f8"]
 
     def same(u: Any, v: Any) -> None:
         u = np.asarray(u)
@@ -262,9 +286,14 @@ def test_values_cross_the_wire_unchanged(client2: Any) -> None:
         assert u.dtype == v.dtype and u.shape == v.shape, (u.dtype, u.shape, v.dtype, v.shape)
         np.testing.assert_array_equal(u.astype(np.float64), v.astype(np.float64))
 
-    for k in ("small", "jax", "big", "scalar", "ints", "bools", "bf16", "strided"):
+    for k in ("small", "jax", "big", "scalar", "ints", "bools", "bf16", "strided",
+              "big-endian"):
         same(got[k], want[k])
         assert isinstance(got[k], np.ndarray) and got[k].flags.writeable, k
+    assert isinstance(got["masked"], np.ma.MaskedArray)
+    assert got["masked"].mask.tolist() == [False, True, False]
+    assert got["user-dict"]["t"] == "nd" and got["user-dict"]["nd"] == 1
+    np.testing.assert_array_equal(got["user-dict"]["x"], np.ones(2))
     same(got["tuple"][0], want["tuple"][0])
     assert got["tuple"][1] is None
     same(got["tuple"][2], want["tuple"][2])

@@ -7,7 +7,9 @@ keys (`step_token`, `program_homes`, `resolve_dispatch`) and the pipelined lower
 (`step`: `lower_replicas`, `compile_step` and its templates), and adds its replica
 groups, all-reduce, updates and mean loss (`dagdiff.train.step_graph`). What the
 Trainer needs from the layers below comes through this package.
-`options`: the options a build takes (`Options`); `step`: the shared pipelined core.
+`options`: the options a build takes (`Options`); `step`: the shared pipelined core;
+`heap`: the client's garbage collector around builds (paused while building; the
+long-lived heap frozen after the first steps).
 """
 from __future__ import annotations
 
@@ -46,11 +48,16 @@ from .options import DISPATCH_MODES, LOWERING_SETTINGS, Options
 from .step import Binding, StepTasks, compile_step, lower_replicas, replace_stages
 
 
-__all__ = ["Options", "Model", "Build", "build", "trace_model", "targets_and_inputs",
-           "resolve_dispatch", "step_token", "program_homes", "without_gc", "freeze_heap",
-           "DISPATCH_MODES",
-           "LOWERING_SETTINGS", "Binding", "StepTasks", "compile_step", "lower_replicas",
-           "replace_stages", "OutKey", "to_delayed", "stage_workers", "pinned", "templates"]
+__all__ = [
+    # the build path and its records
+    "Options", "Model", "Build", "build", "trace_model", "targets_and_inputs",
+    "resolve_dispatch", "step_token", "program_homes", "DISPATCH_MODES", "LOWERING_SETTINGS",
+    # the pipelined core the Trainer extends (`step`), and the collector policy (`heap`)
+    "Binding", "StepTasks", "compile_step", "lower_replicas", "replace_stages",
+    "without_gc", "freeze_heap",
+    # what the Trainer needs from the layers below, through this package
+    "OutKey", "to_delayed", "stage_workers", "pinned", "templates",
+]
 
 log = logging.getLogger(__name__)
 

@@ -9,22 +9,26 @@ collections come every ~50 tiny steps and take 100-200 ms each (measured on the 
 lives after the first step (the libraries, the traced model, the cluster's client) and
 again after the 16th leaves full collections only the objects made since.
 Frozen objects are still freed when their last reference goes; only reference cycles
-among them are never collected. Dask config ``dagdiff.freeze-heap: false`` turns it off.
+among them are never collected: e.g. an in-process cluster (``processes=False``) or a
+client alive at a freeze and closed later keeps its memory for the life of the process
+(at most two freezes per process). Dask config ``dagdiff.freeze-heap: false`` turns it off.
 """
 from __future__ import annotations
 
 import functools
 import gc
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import dask
 
 
-__all__ = ["without_gc", "freeze_heap", "heap_frozen"]
+__all__ = ["without_gc", "freeze_heap", "heap_frozen", "FREEZE_AFTER"]
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 _LOCK = threading.Lock()
-_FROZEN = False
+_FROZEN = False                          # frozen at least once
 #: the steps after which the heap is frozen: the first (the libraries, the model) and
 #: one more once the first steps' long-lived objects exist (compiled signatures, the
 #: cluster's state in the client, step templates)
@@ -32,7 +36,7 @@ FREEZE_AFTER = (1, 16)
 _built = 0
 
 
-def without_gc(fn: Callable[..., Any]) -> Callable[..., Any]:
+def without_gc(fn: F) -> F:
     """Pause the cyclic garbage collector while building a graph: building allocates many
     small objects, and collections of a large heap (jax, dask, distributed loaded) cost
     more than the building itself."""
@@ -45,7 +49,7 @@ def without_gc(fn: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             if was:
                 gc.enable()
-    return run
+    return run  # type: ignore[return-value]
 
 
 def freeze_heap(client: Any) -> bool:

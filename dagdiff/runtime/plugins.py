@@ -58,6 +58,9 @@ class ColocateVJP(SchedulerPlugin):
     def __init__(self) -> None:
         self.scheduler: Any = None
         self._telling: set[asyncio.Task[Any]] = set()
+        #: keys of forward tasks some backward task names (`PULLBACK_OF`): the only keys
+        #: whose transitions this plugin looks at (one set lookup for every other task)
+        self._forwards: set[Any] = set()
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
@@ -93,7 +96,17 @@ class ColocateVJP(SchedulerPlugin):
         if self.scheduler is not None:
             self.scheduler.log_event(MEMBERSHIP_TOPIC, {"action": action, "worker": worker})
 
+    def update_graph(self, scheduler: Any, *, annotations: Any = None, **kwargs: Any) -> None:
+        """Note the forward tasks the new graph's backward tasks name."""
+        named = (annotations or {}).get(PULLBACK_OF) or {}
+        self._forwards.update(f for f in named.values() if f is not None)
+
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+        if key not in self._forwards:
+            return
+        if finish == "forgotten":
+            self._forwards.discard(key)
+            return
         if finish != "memory" and start != "memory":
             return
         ts = self.scheduler.tasks.get(key) if self.scheduler is not None else None

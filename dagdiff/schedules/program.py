@@ -5,7 +5,8 @@ becomes its tasks: ordering edges for scheduler dispatch, a program's order for 
 dispatch), and what a user prints to see who runs what when."""
 from __future__ import annotations
 
-import functools
+import collections
+import threading
 from dataclasses import dataclass
 from typing import Hashable
 
@@ -49,6 +50,7 @@ class PipelineProgram:
 
     @property
     def num_stages(self) -> int:
+        """Global stages: workers x stages per worker."""
         return self.num_workers * self.virtual_stages
 
     def _cell(self, a: StageAction) -> str:
@@ -92,11 +94,6 @@ class PipelineProgram:
         CSV form; ``@s<stage>`` added when workers hold several stages)."""
         return "\n".join(",".join(self._cell(a) for a in acts) for acts in self.workers)
 
-    def position(self) -> dict[tuple[int, int, str], tuple[int, int]]:
-        """(stage, microbatch, kind) -> (worker, its position in that worker's order)."""
-        return {a.key(): (w, i) for w, acts in enumerate(self.workers)
-                for i, a in enumerate(acts)}
-
     def __str__(self) -> str:
         return self.format()
 
@@ -106,19 +103,39 @@ def compile_schedule(schedule: str | Schedule, num_workers: int,
     """`schedule` (a name or a `Schedule`) for `num_workers` workers and `microbatches`
     microbatches: checked (`Schedule.table`: each action once; `simulate`: it can run)
     and with each action's global stage from the schedule's layout. Compiled once per
-    (schedule name or object, workers, microbatches)."""
-    try:
-        return _cached(schedule, num_workers, microbatches)
-    except TypeError as e:                    # an unhashable user schedule: not cached
-        if "unhashable" not in str(e):
-            raise
-        return _compile(schedule, num_workers, microbatches)  # type: ignore[arg-type]
-
-
-@functools.lru_cache(maxsize=256)
-def _cached(schedule: Hashable, num_workers: int, microbatches: int) -> PipelineProgram:
+    (schedule, workers, microbatches): schedules of one class with the same attributes
+    share it (`_CACHE_SIZE` programs kept, least recently used out)."""
     sched = get_schedule(schedule) if isinstance(schedule, str) else schedule
-    return _compile(sched, num_workers, microbatches)  # type: ignore[arg-type]
+    key = _key(sched, num_workers, microbatches)
+    if key is not None:
+        with _LOCK:
+            got = _CACHE.get(key)
+            if got is not None:
+                _CACHE.move_to_end(key)
+                return got
+    program = _compile(sched, num_workers, microbatches)
+    if key is not None:
+        with _LOCK:
+            _CACHE[key] = program
+            while len(_CACHE) > _CACHE_SIZE:
+                _CACHE.popitem(last=False)
+    return program
+
+
+_CACHE_SIZE = 256
+_CACHE: "collections.OrderedDict[Hashable, PipelineProgram]" = collections.OrderedDict()
+_LOCK = threading.Lock()
+
+
+def _key(sched: Schedule, p: int, m: int) -> Hashable | None:
+    """A schedule's class and attributes with (p, m); None when they cannot be hashed
+    (such a schedule is compiled every time)."""
+    try:
+        key = (type(sched), tuple(sorted(vars(sched).items())), p, m)
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def _compile(sched: Schedule, p: int, m: int) -> PipelineProgram:

@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING, Any, Collection, Mapping, Sequence
 
 from dask.base import tokenize
 
+from ..build import pinned
 from ..cluster.info import (
     check_open,
     forget_workers,
     lost_workers,
 )
-from ..build import pinned
 from ..cluster.targets import Targets
 from ..core.keys import make_key
 from ..errors import ArgumentError, LostStateError, TrainerError

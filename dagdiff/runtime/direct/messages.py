@@ -56,7 +56,7 @@ _NAMES = {v: k for k, v in _KINDS.items()}
 
 def to_wire(msg: Message) -> dict[str, Any]:
     """A message as distributed sends it: a dict of plain fields; a value goes as packed
-    by `pack` (arrays wrapped for Dask's serializers)."""
+    by `pack` (small host arrays inline, other arrays wrapped for Dask's serializers)."""
     out = {"kind": _NAMES[type(msg)]}
     out.update((f.name, getattr(msg, f.name)) for f in dataclasses.fields(msg))
     return out
@@ -73,9 +73,10 @@ def from_wire(d: dict[str, Any]) -> Message:
 def pack(value: Any, leaves: frozenset[int] | None = None) -> dict[str, Any]:
     """What another worker receives of a value: forward results without their pullback,
     only the `leaves` it reads of a tuple or forward result (the others None, so indices
-    hold), each array wrapped in `distributed.protocol.to_serialize` so the cluster's
-    serializers send it (out of band; a GPU array through the ``cuda`` family where the
-    comm supports it, a CPU jax array as its NumPy buffer)."""
+    hold). A host array of a NumPy dtype up to `INLINE_BYTES` travels inline (a
+    ``{"t": "nd"}`` record: dtype, shape, bytes); any other array is wrapped in
+    `distributed.protocol.to_serialize` so the cluster's serializers send it (out of band;
+    a GPU array through the ``cuda`` family where the comm supports it)."""
     def keep(i: int) -> bool:
         return leaves is None or i in leaves
 
@@ -85,11 +86,13 @@ def pack(value: Any, leaves: frozenset[int] | None = None) -> dict[str, Any]:
     if isinstance(value, (tuple, list)):
         return {"t": "tuple" if isinstance(value, tuple) else "list",
                 "items": [pack(v) if keep(i) else None for i, v in enumerate(value)]}
-    return {"t": "v", "v": _leaf(value)}
+    leaf = _leaf(value)
+    return leaf if _is_inline(leaf) else {"t": "v", "v": leaf}
 
 
 def unpack(d: Any) -> Any:
-    """The value `pack` described (arrays already deserialized by distributed)."""
+    """The value `pack` described (the out-of-band arrays already deserialized by
+    distributed, the inline ones rebuilt here)."""
     if d is None:
         return None
     t = d["t"]
@@ -98,26 +101,35 @@ def unpack(d: Any) -> Any:
     if t in ("tuple", "list"):
         items = [unpack(v) for v in d["items"]]
         return tuple(items) if t == "tuple" else items
-    return _unleaf(d["v"])
+    if t == "nd":
+        return _unleaf(d)
+    return d["v"]
 
 
 def _leaf(x: Any) -> Any:
     # CPU jax arrays as NumPy (no copy, and no JAX reconstruction on the receiver: the
     # consumer's jitted function puts them on its device); GPU arrays stay jax arrays so
-    # dagdiff's ``cuda`` serializer can send the device buffer
+    # dagdiff's ``cuda`` serializer can send the device buffer. Only plain arrays of
+    # NumPy's own dtypes in native byte order go inline (not masked arrays, not ml_dtypes
+    # such as bfloat16 or float8, whose dtype string NumPy cannot read back)
     if x is None:
         return None
     v = host_view(x)
-    if (isinstance(v, np.ndarray) and v.nbytes <= INLINE_BYTES and v.dtype.kind in "biufc"
-            and v.dtype.byteorder in "=|<"):
-        return {"nd": v.dtype.str, "shape": list(v.shape), "data": v.tobytes()}
+    if (type(v) is np.ndarray and v.nbytes <= INLINE_BYTES and v.dtype.isbuiltin == 1
+            and v.dtype.kind in "biufc"):
+        return {"t": "nd", "dtype": v.dtype.str, "shape": list(v.shape),
+                "data": v.tobytes()}
     return to_serialize(v)
+
+
+def _is_inline(x: Any) -> bool:
+    return isinstance(x, dict) and x.get("t") == "nd"
 
 
 def _unleaf(x: Any) -> Any:
     """A leaf as `_leaf` sent it: an inline array rebuilt (writeable, its own buffer)."""
-    if isinstance(x, dict) and "nd" in x:
-        return np.frombuffer(bytearray(x["data"]), dtype=np.dtype(x["nd"])).reshape(
+    if _is_inline(x):
+        return np.frombuffer(bytearray(x["data"]), dtype=np.dtype(x["dtype"])).reshape(
             tuple(x["shape"]))
     return x
 

@@ -156,14 +156,19 @@ class Transport:
             except (CommClosedError, OSError):
                 break
             for d in msgs if isinstance(msgs, (list, tuple)) else [msgs]:
+                named = (d.get("run"), d.get("key")) if isinstance(d, dict) else (None, None)
                 try:
                     msg: Message | DecodeError = from_wire(_decoded(d))
                 except DecodeError as e:
                     msg = e
                 except Exception as e:          # noqa: BLE001 - a malformed message
-                    log.warning("dagdiff: dropped a message from %s (%s: %s)",
-                                comm.peer_address, type(e).__name__, e)
-                    continue
+                    if None in named:
+                        log.warning("dagdiff: dropped a message from %s (%s: %s)",
+                                    comm.peer_address, type(e).__name__, e)
+                        continue
+                    # a value that cannot be rebuilt here: its consumer fails now, naming
+                    # it, instead of waiting for it until the step's timeout
+                    msg = DecodeError(*named, f"{type(e).__name__}: {e}")
                 try:
                     self.deliver(msg)
                 except Exception:               # noqa: BLE001 - never stop the stream
