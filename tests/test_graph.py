@@ -265,29 +265,23 @@ def test_vjp_runs_where_its_forward_ran(client2: Any) -> None:
 
 
 @pytest.mark.parametrize("schedule", [None, "1f1b", "zb-h1"])
-def test_each_backward_task_names_its_forward_in_an_annotation(schedule: str | None) -> None:
-    """The scheduler plugin pairs a backward task with its forward by the annotation the
-    graph carries, not by parsing keys: every VJP (and split I/W) task names the forward
-    task whose pullback it runs (the same layer call and microbatch by its key), and no
-    other task has the annotation."""
-    from dagdiff.runtime.tasks import PULLBACK_OF
+def test_each_backward_task_names_its_forward(schedule: str | None) -> None:
+    """The scheduler plugin pairs a backward task with its forward by what the task reads
+    (`pullback_of`: its forward argument), not by parsing keys: every VJP (and split
+    I/W) task names the forward of the same layer call and microbatch (by its key), and
+    no other task names one."""
+    from dagdiff.runtime.tasks import pullback_of
 
     params, x, t = setup()
     kw = {} if schedule is None else {"microbatches": 2, "schedule": schedule, "stages": 2}
     loss, grads = dd.value_and_grad(M.mlp_loss, **kw)(params, x, t)
-    graph = loss.__dask_graph__()
-    named = {}
-    for layer in graph.layers.values():
-        note = (layer.annotations or {}).get(PULLBACK_OF)
-        for k in layer:
-            v = note(k) if callable(note) else None
-            if v is not None:
-                named[k] = v
-    backward = [k for k in dict(graph) if dd.key_info(k).phase in ("B", "I", "W")]
+    graph = dict(loss.__dask_graph__())
+    named = {k: f for k, task in graph.items() if (f := pullback_of(task)) is not None}
+    backward = [k for k in graph if dd.key_info(k).phase in ("B", "I", "W")]
     assert backward and sorted(named) == sorted(backward)
     for k, f in named.items():
         kb, kf = dd.key_info(k), dd.key_info(f)
-        assert kf.phase == "F" and f in dict(graph), (k, f)
+        assert kf.phase == "F" and f in graph, (k, f)
         assert (kb.layer, kb.stage, kb.microbatch) == (kf.layer, kf.stage, kf.microbatch)
 
 

@@ -10,7 +10,6 @@ from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
 from ..cluster.targets import Targets, annotations_for
 from ..runtime.direct import RESOURCE_SHARE, DirectGraph, rewrite
-from ..runtime.tasks import PULLBACK_OF, pullback_of
 
 
 __all__ = ["OutKey", "to_delayed", "assemble", "assemble_direct", "direct_layer", "pinned"]
@@ -37,8 +36,8 @@ def assemble(dsk: dict[str, Any], stage_of: Mapping[str, int | None], targets: T
              token: str, *, priority: Mapping[str, int] | None = None,
              direct: set[str] | None = None, outputs: set[str] = frozenset()
              ) -> HighLevelGraph:
-    """One HighLevelGraph layer holding every task, with per-key placement annotations,
-    schedule priorities and each backward task's forward (`PULLBACK_OF`).
+    """One HighLevelGraph layer holding every task, with per-key placement annotations
+    (and schedule priorities).
 
     `direct`: the step's output keys, to run it with direct dispatch (each worker's part
     becomes one program task, see `dagdiff.runtime.direct`); None keeps every edge a
@@ -52,11 +51,6 @@ def assemble(dsk: dict[str, Any], stage_of: Mapping[str, int | None], targets: T
     annotations = annotations_for(stage_of, targets)
     if priority:
         annotations["priority"] = priority.get
-    # each backward task names the forward whose pullback it runs: the scheduler plugin
-    # keeps the two on one worker (pullbacks cannot travel)
-    pullbacks = {k: f for k, t in dsk.items() if (f := pullback_of(t)) is not None}
-    if pullbacks:
-        annotations[PULLBACK_OF] = pullbacks.get
     layer = MaterializedLayer(dsk, annotations=annotations or None)
     return HighLevelGraph({name: layer}, {name: set()})
 

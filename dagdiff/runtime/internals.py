@@ -7,7 +7,8 @@ Public API is used wherever it exists; what is left here has no public equivalen
 - scheduler <-> worker batched streams: their flush interval (`BatchedSend.interval`),
   lowered for pipeline hops (`Scheduler.stream_comms`, `Worker.batched_stream`);
 - task placement after submission: `TaskState.worker_restrictions` /
-  `loose_restrictions` (a VJP task pinned to its forward's worker);
+  `loose_restrictions` (a VJP task pinned to its forward's worker), and the task a
+  scheduler TaskState runs (`TaskState.run_spec`: which forward a VJP task reads);
 - the Active Memory Manager's policy set (`ActiveMemoryManagerExtension.policies`);
 - the worker's estimate of its clock offset to the scheduler (`Worker.scheduler_delay`);
 - raw comms for direct dispatch: `Comm.deserialize`, `Status.dont_reply`,
@@ -29,7 +30,7 @@ from distributed.protocol.serialize import merge_and_deserialize
 __all__ = ["DONT_REPLY", "merge_and_deserialize", "serialize_numpy_ndarray",
            "deserialize_numpy_ndarray", "stream_comms", "worker_stream", "shorten_interval", "pin_task",
            "unpin_task", "task_pinned", "amm_policies", "scheduler_delay", "raw_comm",
-           "task_stream_record", "cluster_status_hook", "correct_state", "REQUIRED"]
+           "task_stream_record", "cluster_status_hook", "correct_state", "task_spec", "REQUIRED"]
 
 #: a handler's return value that tells distributed not to answer on the comm
 DONT_REPLY = Status.dont_reply
@@ -46,6 +47,7 @@ REQUIRED: tuple[tuple[str, str], ...] = (
     ("distributed.deploy.spec.SpecCluster", "_correct_state"),
     ("distributed.scheduler.TaskState", "worker_restrictions"),
     ("distributed.scheduler.TaskState", "loose_restrictions"),
+    ("distributed.scheduler.TaskState", "run_spec"),
     ("Scheduler instance", "stream_comms"),
     ("Scheduler instance", "extensions['amm'].policies"),
     ("Scheduler instance", "plugins['task-stream'].transition"),
@@ -85,6 +87,11 @@ def unpin_task(ts: Any) -> None:
     """Drop a restriction set by `pin_task`."""
     if ts.worker_restrictions:
         ts.worker_restrictions = None
+
+
+def task_spec(ts: Any) -> Any:
+    """The task (a ``dask._task_spec`` node) a scheduler TaskState runs, or None."""
+    return getattr(ts, "run_spec", None)
 
 
 def task_pinned(ts: Any) -> bool:

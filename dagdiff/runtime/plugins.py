@@ -3,10 +3,11 @@ forward's pullback (and direct-dispatch actions reach the task stream, `LiveActi
 every worker, dagdiff is loaded and its direct-dispatch runtime installed.
 
 Pullbacks are unpicklable, so a VJP task placed elsewhere has to rematerialize. When a
-forward task's result lands in memory, the plugin restricts the backward tasks that name
-it in their ``dagdiff-pullback-of`` annotation (`runtime.tasks.PULLBACK_OF`, set where
-the graph is assembled) to its worker; when the result is lost (worker gone), the
-restriction is lifted so nothing waits forever on a dead worker.
+forward task's result lands in memory, the plugin restricts the backward tasks that read
+their pullback from it (the forward each `vjp_task` takes as an argument:
+`runtime.tasks.pullback_of`, read off the task itself, not its key) to its worker; when
+the result is lost (worker gone), the restriction is lifted so nothing waits forever on a
+dead worker.
 """
 from __future__ import annotations
 
@@ -22,11 +23,11 @@ from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 
 from .direct import install
 from .direct.runtime import PEER_LOST_OP
-from .internals import (amm_policies, pin_task, shorten_interval, stream_comms, unpin_task,
-                        worker_stream)
+from .internals import (amm_policies, pin_task, shorten_interval, stream_comms, task_spec,
+                        unpin_task, worker_stream)
 from .live import LiveActions
 from .serialize import register
-from .tasks import PULLBACK_OF
+from .tasks import pullback_of
 
 
 __all__ = ["ColocateVJP", "ensure_colocation", "MEMBERSHIP_TOPIC", "is_registered"]
@@ -49,8 +50,8 @@ _registered: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 class ColocateVJP(SchedulerPlugin):
-    """Pin each backward task to the worker where the forward task its ``dagdiff-pullback-of``
-    annotation names ran (unless the user pinned it with a ``workers=`` annotation)."""
+    """Pin each backward task to the worker where the forward task it reads its pullback
+    from ran (unless the user pinned it with a ``workers=`` annotation)."""
 
     name = "dagdiff-colocate-vjp"
     idempotent = True                  # registered once per cluster, by its first client
@@ -58,7 +59,7 @@ class ColocateVJP(SchedulerPlugin):
     def __init__(self) -> None:
         self.scheduler: Any = None
         self._telling: set[asyncio.Task[Any]] = set()
-        #: keys of forward tasks some backward task names (`PULLBACK_OF`): the only keys
+        #: keys of forward tasks some backward task reads a pullback from: the only keys
         #: whose transitions this plugin looks at (one set lookup for every other task)
         self._forwards: set[Any] = set()
 
@@ -96,10 +97,13 @@ class ColocateVJP(SchedulerPlugin):
         if self.scheduler is not None:
             self.scheduler.log_event(MEMBERSHIP_TOPIC, {"action": action, "worker": worker})
 
-    def update_graph(self, scheduler: Any, *, annotations: Any = None, **kwargs: Any) -> None:
-        """Note the forward tasks the new graph's backward tasks name."""
-        named = (annotations or {}).get(PULLBACK_OF) or {}
-        self._forwards.update(f for f in named.values() if f is not None)
+    def update_graph(self, scheduler: Any, *, tasks: Any = (), **kwargs: Any) -> None:
+        """Note the forward tasks the new graph's backward tasks read pullbacks from."""
+        known = scheduler.tasks
+        for k in tasks:
+            f = pullback_of(task_spec(known.get(k)))
+            if f is not None:
+                self._forwards.add(f)
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         if key not in self._forwards:
@@ -116,8 +120,8 @@ class ColocateVJP(SchedulerPlugin):
         if finish == "memory" and ts.who_has:
             pin = {next(iter(ts.who_has)).address}
         for dts in ts.dependents:
-            notes = dts.annotations or {}
-            if notes.get(PULLBACK_OF) == key and "workers" not in notes:  # explicit wins
+            if (pullback_of(task_spec(dts)) == key
+                    and "workers" not in (dts.annotations or {})):  # explicit placement wins
                 if pin is not None:
                     pin_task(dts, pin)
                 else:

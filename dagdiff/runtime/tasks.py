@@ -15,12 +15,7 @@ from .taskspec import Task, TaskRef
 
 
 __all__ = ["FwdResult", "fwd_task", "vjp_task", "sum_task", "slice_task", "mean_task",
-           "acc_task", "select_task", "leaves_read", "host_view", "pullback_of",
-           "PULLBACK_OF"]
-
-#: the Dask annotation of a backward task naming the forward task whose result holds its
-#: pullback (`pullback_of`): dagdiff's scheduler plugin runs the two on one worker
-PULLBACK_OF = "dagdiff-pullback-of"
+           "acc_task", "select_task", "leaves_read", "host_view", "pullback_of"]
 
 
 class FwdResult:
@@ -210,7 +205,8 @@ def vjp_task(spec: CallSpec, srcs: tuple[int, ...], wrt: tuple[int, ...],
 
 def pullback_of(task: Any) -> str | None:
     """The key of the forward task whose result a backward task reads its pullback from
-    (a `vjp_task`'s `fwd` argument), None for any other task."""
+    (a `vjp_task`'s `fwd` argument), None for any other task: dagdiff's scheduler plugin
+    runs the two on one worker (pullbacks cannot travel)."""
     if isinstance(task, Task) and task.func is vjp_task:
         ref = task.args[5]
         return str(ref.key) if isinstance(ref, TaskRef) else None
