@@ -10,7 +10,7 @@ change to lowering, assembly or templates is made once.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Mapping, Sequence
 
 from dask.highlevelgraph import HighLevelGraph
@@ -61,7 +61,7 @@ class Binding:
     held: Mapping[str, Hashable]
     #: bind: template keys renamed otherwise than by token, from the template's output
     #: keys (e.g. a key that names the step's number)
-    rename: Callable[[Any], Mapping[str, str]] = field(default=lambda keys: {})
+    rename: Callable[[Any], Mapping[str, str]] | None = None
 
 
 def replace_stages(trace: Trace, offset: int) -> Trace:
@@ -122,7 +122,8 @@ def compile_step(token: str, targets: Targets, direct: bool, binding: Binding | 
     if binding is not None:
         tpl = templates.lookup(binding.key)
         if tpl is not None:
-            return tpl.bind(token, binding.values, binding.refs, binding.rename(tpl.keys))
+            renamed = binding.rename(tpl.keys) if binding.rename is not None else None
+            return tpl.bind(token, binding.values, binding.refs, renamed)
     tasks = lower()
     if not direct or not targets.on_workers:
         graph = assemble(tasks.dsk, tasks.stage_of, targets, token, priority=tasks.priority,

@@ -77,8 +77,7 @@ def direct_layer(name: str, dsk: Mapping[str, Any], priority: Mapping[str, int],
     worker (a share of its slot resource, or its address)."""
     annotations: dict[str, Any] = {"priority": dict(priority).get}
     if slots:   # shares: a program waiting for its inputs keeps its resources
-        annotations["resources"] = {k: pinned(w, True)["resources"]
-                                    for k, w in where.items()}.get
+        annotations["resources"] = {k: {w: RESOURCE_SHARE} for k, w in where.items()}.get
     else:
         annotations["workers"] = {k: [w] for k, w in where.items()}.get
     return HighLevelGraph({name: MaterializedLayer(dict(dsk), annotations=annotations)},
