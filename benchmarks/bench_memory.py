@@ -192,6 +192,7 @@ def estimates(client: Any, params: Any, batch: Any, m: int) -> None:
         return loss, (params, *batch)
 
     errors = []
+    first: dict[str, tuple[Any, ...]] = {}
     for label, make in (("mlp", mlp), ("transformer", transformer)):
         client.restart()        # each model on fresh workers: nothing left of the last one
         print(f"\n{label}: {'schedule':14s} {'remat':10s} {'w0 measured / predicted MiB':>30s} "
@@ -200,6 +201,11 @@ def estimates(client: Any, params: Any, batch: Any, m: int) -> None:
             multi = name in ("interleaved", "looped-bfs", "interleaved-zb")
             sched = dd.get_schedule(name, virtual_stages=2) if multi else dd.get_schedule(name)
             loss, args = make(2 * sched.virtual_stages)
+            # one set of arrays per model for every schedule (the transformer's are the
+            # same values at any stage count): a new set would be scattered again while
+            # the last one's copies can still be held (the client keeps the arrays of
+            # a step it ran alive), and the worker would count two sets of parameters
+            args = first.setdefault(label, args)
             for remat in ("none", "selective", "full"):
                 peaks, _, _ = run(client, loss, args, sched, m, remat, 0)
                 model = trace_model(loss, args, {}, Options.make(

@@ -109,6 +109,102 @@ def test_residual_bytes_by_hand() -> None:
     assert dict(fps[1].kept)["full"] == act + 4
 
 
+def _kept_by_runtime(trace: Any, node: Any, policy: str, fused: bool) -> int | None:
+    """What `runtime.compiled` really keeps from a split backward's I for its W, run on
+    arrays: the stash's arrays that are not the call's inputs, its pullback's leaves or
+    its cotangents (those are held anyway); None where it does not split."""
+    import numpy as np
+
+    from dagdiff.core.remat import with_policy, without_policy
+    from dagdiff.core.tracer import Traced
+    from dagdiff.runtime.compiled import _Compiled
+
+    spec = with_policy(without_policy(node.spec), policy)
+    c = _Compiled(spec)
+    rng = np.random.default_rng(0)
+    dyn = [x for x, k in zip(node.in_leaves, node.spec.kinds) if k == "d"]
+    vals = [jnp.asarray(rng.normal(size=x.aval.shape), x.aval.dtype) for x in dyn]
+    d = [v for v, f in zip(vals, spec.diff) if f]
+    nd = [v for v, f in zip(vals, spec.diff) if not f]
+    param = [isinstance(x, Traced) and trace.nodes[x.node].kind == "param"
+             for x, f in zip(dyn, spec.diff) if f]
+    first = tuple(j for j, q in enumerate(param) if not q)
+    second = tuple(j for j, q in enumerate(param) if q)
+    if fused:
+        got = c.fwd_grad_split(d, nd, [np.asarray(0.25, np.float32)], first, second)
+        held = {id(v) for v in vals}
+        stash = None if got is None else got[3]
+    else:
+        out, pb = c.fwd_vjp(d, nd)
+        cts = [jnp.ones(o.shape, o.dtype) for o in out]
+        got = c.split_bwd(pb, cts, first, second)
+        held = {id(v) for v in [*jax.tree_util.tree_leaves(pb), *cts]}
+        stash = None if got is None else got[2]
+    if stash is None:
+        return None
+    return sum(int(x.nbytes) for x in stash if id(x) not in held and x.ndim)
+
+
+def test_split_backward_stash_is_what_the_split_keeps() -> None:
+    """Three stages of two tanh dense layers (ZB-H1), microbatch (8, 16) float32: 512
+    bytes per activation. The middle stage's I leaves for its W the output cotangent its
+    W task reads (512) and what the split carries: the two pre-activation cotangents
+    (tanh' times the cotangent, 2 x 512; each layer's input is a pullback residual
+    already). Under "selective" the backward holds a ``jax.checkpoint`` call and is not
+    cut, under "full" there is no pullback: the cotangent alone. The loss's stage runs
+    F and I as one call and carries its second layer's input and both pre-activation
+    cotangents (3 x 512). The first stage has no I (its input is data): it holds its
+    output cotangent until W. Each figure also equals the bytes `runtime.compiled`
+    keeps, run on arrays."""
+    loss = staged(3, 6)
+    params, x, t = mlp(16, 32, 6)
+    m = trace_model(loss, (params, x, t), {}, Options.make("t", microbatches=4,
+                                                           schedule="zb-h1"), None)
+    fps = stage_footprints(m.trace)
+    act = 8 * 16 * 4
+    assert dict(fps[1].stash) == {"none": 3 * act, "selective": act, "full": act}
+    assert dict(fps[0].stash) == {"none": act, "selective": act, "full": act}
+    assert fps[2].fused_stash_by("none") == 3 * act
+    assert fps[2].fused_stash_by("selective") is None      # every gradient with F
+    assert fps[1].returned == act and fps[2].returned == act and fps[0].returned == 0
+    calls = {n.stage: n for n in m.trace.nodes if n.kind == "call"}
+    assert _kept_by_runtime(m.trace, calls[1], "none", False) == 2 * act
+    assert _kept_by_runtime(m.trace, calls[1], "selective", False) is None
+    assert _kept_by_runtime(m.trace, calls[2], "none", True) == 3 * act
+    assert _kept_by_runtime(m.trace, calls[2], "selective", True) is None
+    # the loss's call runs F with I unless it recomputes (`lower` seeds no such call)
+    sched = get_schedule("zb-h1")
+    assert loss_fused(m.trace, sched, 4, 2) == {(2, mb) for mb in range(4)}
+    full = trace_model(loss, (params, x, t), {}, Options.make(
+        "t", microbatches=4, schedule=sched, remat="full"), None)
+    assert loss_fused(full.trace, sched, 4, 2) == set()
+
+
+def test_split_memory_model_by_hand() -> None:
+    """ZB-H1, 2 workers, 2 microbatches, P = 1000 bytes of parameters and 1000 kept per
+    live microbatch on each stage. Stage 0 (F0 F1 I0 W0 I1 W1) leaves 300 from I to W;
+    the loss's stage (F0 I0 F1 I1 W0 W1) runs F with I, receives 200 and sends 200 back
+    per microbatch, and carries 700 to W."""
+    sched = get_schedule("zb-h1")
+    params, kept = {0: 1000, 1: 1000}, {0: 1000, 1: 1000}
+    common = dict(fused={(1, 0), (1, 1)}, stash={0: 300}, inside_calls=False,
+                  received={1: 200}, returned={1: 200})
+    w0, w1 = memory_peaks(sched, 2, 2, params, kept, fused_stash={1: 700}, **common)
+    # W0 s0: P, two live microbatches, I0's stash and W0's gradients
+    assert (w0.bytes, w0.at) == (1000 + 2000 + 300 + 1000, "W0 s0")
+    # W0 s1: P, both fused forwards' carry, cotangents and inputs, W0's gradients
+    assert (w1.bytes, w1.at) == (1000 + 2 * (700 + 200 + 200) + 1000, "W0 s1")
+    # a backward that does not split: the fused forwards hold the gradients instead,
+    # which W only hands on; the high point is the accumulation (4 P)
+    _, w1 = memory_peaks(sched, 2, 2, params, kept, fused_stash={1: None}, **common)
+    assert (w1.bytes, w1.at) == (4000, "acc1 s1")
+    # 1F1B without fusion: a B's result holds the cotangents it sends back beside the
+    # gradients until they are summed: 4 P + 500 at B1's accumulation
+    _, w1 = memory_peaks(get_schedule("1f1b"), 2, 4, {0: 5000, 1: 5000}, kept,
+                         returned={1: 500})
+    assert (w1.bytes, w1.at) == (20_500, "acc1 s1")
+
+
 def test_memory_model_by_hand() -> None:
     """1F1B, 2 workers, 4 microbatches, parameters P = 5000 and 1000 bytes kept per live
     microbatch on each stage; the loss's stage runs F and B as one call."""
@@ -153,7 +249,7 @@ def test_measured_peaks_match_the_prediction_and_remat_lowers_them(client2: Any)
     loss = staged(2, 4)
     args = mlp(256, 256, 4)
     measured: dict[tuple[str, str], dict[str, int]] = {}
-    for name in ("gpipe", "1f1b"):
+    for name in ("gpipe", "1f1b", "zb-h1"):
         sched = get_schedule(name)
         for remat in ("none", "selective", "full"):
             step = dd.value_and_grad(loss, microbatches=8, schedule=sched, remat=remat)

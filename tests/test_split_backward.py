@@ -1,5 +1,5 @@
 """A zero-bubble schedule's split backward shares its work: W runs from what I computed
-(`dagdiff.runtime.split`), and the numbers equal JAX's whatever order the tasks run in."""
+(`dagdiff.core.split`), and the numbers equal JAX's whatever order the tasks run in."""
 from __future__ import annotations
 
 import collections
@@ -14,7 +14,7 @@ import pytest
 
 import dagdiff as dd
 from dagdiff.runtime import compiled as compiled_mod
-from dagdiff.runtime.split import partition
+from dagdiff.core.split import partition
 from dagdiff.runtime.tasks import FwdResult, fwd_task, vjp_task
 from tests.models import close, data, make_loss
 
@@ -195,7 +195,7 @@ def test_a_split_that_fails_to_compile_falls_back_to_the_plain_backward(
         monkeypatch: Any, caplog: Any) -> None:
     """(jax internals differ between versions: a part that cannot be compiled must not
     fail the step.)"""
-    from dagdiff.runtime import split as split_mod
+    from dagdiff.core import split as split_mod
 
     def broken(*a: Any) -> Any:
         raise RuntimeError("cannot lower this part")

@@ -8,6 +8,11 @@ pullback that are not its own inputs, which is what a recomputation policy chang
 (`dagdiff.core.remat`): none are kept under ``"full"``, the products without batch
 dimensions under ``"selective"``. The residuals are read off `jax.vjp` under
 `jax.eval_shape`, the same function the forward task runs, so nothing is computed.
+
+A split backward (zero-bubble schedules) holds more from its I to its W: the output
+cotangents W's task reads, and what `dagdiff.core.split` carries from one part to the
+other, read off the very partition the workers make (of the backward traced from
+abstract values, so again nothing is computed).
 """
 from __future__ import annotations
 
@@ -15,14 +20,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from .remat import POLICIES, with_policy, without_policy
 from .spec import CallSpec
+from .split import partition
 from .tracer import Trace, Traced, aval_of, home_stages
 
 
-__all__ = ["StageFootprint", "nbytes", "residual_bytes", "stage_footprints",
+__all__ = ["StageFootprint", "nbytes", "residual_bytes", "carry_bytes", "stage_footprints",
            "recompute_shares"]
 
 
@@ -36,23 +43,38 @@ class StageFootprint:
     """One stage's bytes: ``params`` (its differentiated parameters; the gradient
     accumulator is as large), ``kept`` (per policy name: what one live microbatch keeps
     from its forward to its backward), ``output`` (the activations it sends on, per
-    microbatch: the cotangent that comes back is as large), ``stash`` (what a split
-    backward's I leaves for its W: the cotangents of the stage's layer outputs),
-    ``inputs`` (one microbatch of the batch inputs it reads: a step holds the whole batch
-    on the stage's worker, each microbatch a view of it), ``received`` (the activations a
-    microbatch brings from earlier stages: part of ``kept``, and all a forward fused
-    with its backward keeps of them until its VJP task has run)."""
+    microbatch: the cotangent that comes back is as large), ``stash`` (per policy: what
+    a split backward's I leaves held for its W beside the pullback: the cotangents of
+    the calls' outputs, which W's task reads too, and the values the partition carries
+    from I to W; a stage without I, whose input is data, holds the cotangents from
+    their arrival to its W), ``inputs`` (one microbatch of the batch inputs it reads: a
+    step holds the whole batch on the stage's worker, each microbatch a view of it),
+    ``received`` (the activations a microbatch brings from earlier stages: part of
+    ``kept``, and all a forward fused with its backward keeps of them until its VJP
+    task has run), ``returned`` (the cotangents of those its backward computes and
+    sends back: a B task's result holds them beside the weight gradients until the
+    accumulation has read it), ``fused_stash`` (per policy, for a stage whose last call
+    can run its forward with its I (the loss's): what that call carries to its W, or
+    None where its backward cannot be split and the forward computes every gradient)."""
 
     stage: int
     params: int
     kept: tuple[tuple[str, int], ...]
     output: int
-    stash: int = 0
+    stash: tuple[tuple[str, int], ...] = ()
     inputs: int = 0
     received: int = 0
+    returned: int = 0
+    fused_stash: tuple[tuple[str, int | None], ...] = ()
 
     def kept_by(self, policy: str) -> int:
         return dict(self.kept)[policy]
+
+    def stash_by(self, policy: str) -> int:
+        return dict(self.stash).get(policy, 0)
+
+    def fused_stash_by(self, policy: str) -> int | None:
+        return dict(self.fused_stash).get(policy)
 
 
 def residual_bytes(spec: CallSpec, avals: list[Any]) -> int:
@@ -100,11 +122,91 @@ def _residual_bytes(spec: CallSpec, avals: list[Any]) -> int:
     return sum(nbytes(s) for s in shapes if hasattr(s, "shape"))
 
 
+def carry_bytes(spec: CallSpec, avals: list[Any], first: tuple[int, ...],
+                second: tuple[int, ...], cts: tuple[bool, ...], fused: bool) -> int | None:
+    """Bytes of what `dagdiff.core.split` carries from a split backward's I (the
+    gradients of differentiated inputs `first`) to its W (those of `second`), for
+    dynamic inputs of `avals` and cotangents on the outputs flagged in `cts`: the
+    intermediate values the first part computes and the second reads, as the workers
+    cut them (`runtime.compiled`: the backward traced from the pullback's leaves, or,
+    `fused`, the forward and backward of a call run with its I). None where the
+    backward cannot be cut (no shared work, a nested call such as ``jax.checkpoint``'s,
+    a call that recomputes or has hand-written rules): I and W then run apart and
+    nothing is carried."""
+    if spec.remat or getattr(spec.layer, "custom", False) or not first or not second:
+        return None
+    key = (spec.fingerprint, first, second, cts, fused)
+    if key not in _CARRY:
+        try:
+            _CARRY[key] = _carry_bytes(spec, avals, first, second, cts, fused)
+        except Exception:                   # noqa: BLE001 - jax internals differ: no split
+            _CARRY[key] = None
+        while len(_CARRY) > 4096:
+            _CARRY.pop(next(iter(_CARRY)))
+    return _CARRY[key]
+
+
+#: carried bytes per (fingerprint, I's inputs, W's inputs, cotangents, fused)
+_CARRY: dict[tuple[Any, ...], int | None] = {}
+
+
+def _carry_bytes(spec: CallSpec, avals: list[Any], first: tuple[int, ...],
+                 second: tuple[int, ...], cts: tuple[bool, ...], fused: bool) -> int | None:
+    d = [a for a, f in zip(avals, spec.diff) if f]
+    nd = [a for a, f in zip(avals, spec.diff) if not f]
+    outs = spec.out_avals
+    ct_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a, c in zip(outs, cts) if c]
+    c_tree = jax.tree_util.tree_structure([0 if c else None for c in cts])
+
+    def primal(d: Any, nd: Any) -> list[Any]:
+        di, ni = iter(d), iter(nd)
+        return jax.tree_util.tree_leaves(spec.call([next(di) if f else next(ni)
+                                                    for f in spec.diff]))
+
+    def full_ct(cl: list[Any]) -> list[Any]:        # as `runtime.compiled` fills them
+        given = jax.tree_util.tree_unflatten(c_tree, cl)
+        return [c if c is not None else
+                jnp.zeros(a.shape, a.dtype) if jnp.issubdtype(a.dtype, np.inexact) else
+                np.zeros(a.shape, jax.dtypes.float0) for c, a in zip(given, outs)]
+
+    if fused:                           # `fwd_grad_split`: outputs, I's, then W's
+        def whole(dl: list[Any], nl: list[Any], cl: list[Any]) -> list[Any]:
+            out, pb = jax.vjp(lambda *dd: primal(dd, nl), *dl)
+            g = pb(full_ct(cl))
+            return [*out, *(g[i] for i in first), *(g[i] for i in second)]
+
+        closed = jax.make_jaxpr(whole)(d, nd, ct_avals)
+        n_first = len(outs) + len(first)
+    else:                               # `split_bwd`: from the pullback's leaves
+        box: dict[str, Any] = {}
+
+        def leaves(d: list[Any], nd: list[Any]) -> list[Any]:
+            _, pb = jax.vjp(lambda *dd: primal(dd, nd), *d)
+            flat, box["tree"] = jax.tree_util.tree_flatten(pb)
+            return flat
+
+        p_avals = jax.eval_shape(leaves, d, nd)
+
+        def whole(pl: list[Any], cl: list[Any]) -> list[Any]:
+            g = jax.tree_util.tree_unflatten(box["tree"], pl)(full_ct(cl))
+            return [*(g[i] for i in first), *(g[i] for i in second)]
+
+        closed = jax.make_jaxpr(whole)(p_avals, ct_avals)
+        n_first = len(first)
+    if len(closed.jaxpr.outvars) != n_first + len(second):
+        return None
+    parts = partition(closed, n_first)
+    if parts is None:
+        return None
+    return sum(nbytes(v.aval) for v in parts.jaxprs[0].jaxpr.outvars[n_first:])
+
+
 def stage_footprints(trace: Trace, policies: tuple[str, ...] = POLICIES
                      ) -> dict[int, StageFootprint]:
     """Per stage of `trace` (stages, runs fused or not): its `StageFootprint`, the
-    residuals worked out for each of `policies` (applied on top of the layers' own
-    ``remat``, to each call as it was before a build gave it its stage's policy)."""
+    residuals and a split backward's stash worked out for each of `policies` (applied
+    on top of the layers' own ``remat``, to each call as it was before a build gave it
+    its stage's policy)."""
     params: dict[int, int] = {}
     for node, stage in home_stages(trace).items():
         if stage is not None and trace.nodes[node].kind == "param":
@@ -112,20 +214,25 @@ def stage_footprints(trace: Trace, policies: tuple[str, ...] = POLICIES
     base: dict[int, int] = {}           # inputs received + outputs of its calls
     outs: dict[int, int] = {}
     res: dict[int, dict[str, int]] = {}
-    stash: dict[int, int] = {}
+    stash: dict[int, dict[str, int]] = {}
+    fstash: dict[int, dict[str, int | None]] = {}
     batch: dict[int, int] = {}
     recv: dict[int, int] = {}
+    back: dict[int, int] = {}
     seen: set[tuple[int, int, int]] = set()
     read_by: dict[tuple[int, int], set[int | None]] = {}     # value -> stages reading it
+    has_ct: set[tuple[int, int]] = set()     # values a VJP gives a cotangent
     for n in trace.nodes:
         if n.kind == "call":
-            for _, x in n.traced_inputs:
+            for pos, x in n.traced_inputs:
                 read_by.setdefault((x.node, x.leaf), set()).add(n.stage)
+                if n.spec.diff[pos]:
+                    has_ct.add((x.node, x.leaf))
     for n in trace.nodes:
         if n.kind != "call" or n.stage is None:
             continue
         g = n.stage
-        for _, x in n.traced_inputs:
+        for pos, x in n.traced_inputs:
             src = trace.nodes[x.node]
             if src.kind == "param" or (src.kind == "call" and src.stage == g):
                 continue
@@ -136,10 +243,8 @@ def stage_footprints(trace: Trace, policies: tuple[str, ...] = POLICIES
                 else:
                     base[g] = base.get(g, 0) + nbytes(x.aval)
                     recv[g] = recv.get(g, 0) + nbytes(x.aval)
-        inner = getattr(n.spec.layer.fn, "steps", None)     # a fused run's layer calls
-        stash[g] = stash.get(g, 0) + (
-            sum(nbytes(a) for sub, _ in inner for a in sub.out_avals if a.shape)
-            if inner else sum(nbytes(a) for a in n.out_avals if a.shape))
+                    if n.spec.diff[pos]:          # its cotangent goes back
+                        back[g] = back.get(g, 0) + nbytes(x.aval)
         for leaf, aval in enumerate(n.out_avals):
             base[g] = base.get(g, 0) + nbytes(aval)
             if read_by.get((n.index, leaf), set()) - {None, g}:
@@ -150,11 +255,34 @@ def stage_footprints(trace: Trace, policies: tuple[str, ...] = POLICIES
         per = res.setdefault(g, {})
         for policy in policies:
             per[policy] = per.get(policy, 0) + residual_bytes(with_policy(spec, policy), avals)
+        # a split backward: I w.r.t. the activations, W w.r.t. the parameters (`lower`)
+        dyn = [x for x, k in zip(n.in_leaves, n.spec.kinds) if k == "d"]
+        is_param = [isinstance(x, Traced) and trace.nodes[x.node].kind == "param"
+                    for x, f in zip(dyn, n.spec.diff) if f]
+        first = tuple(j for j, q in enumerate(is_param) if not q)
+        second = tuple(j for j, q in enumerate(is_param) if q)
+        terminal = not any((n.index, leaf) in read_by for leaf in range(len(n.out_avals)))
+        # the cotangents W's task reads (the loss's seed is a constant of the graph)
+        cts = tuple((n.index, leaf) in has_ct for leaf in range(len(n.out_avals)))
+        ct_bytes = sum(nbytes(a) for a, c in zip(n.out_avals, cts) if c) if second else 0
+        seeds = tuple(terminal and jnp.issubdtype(a.dtype, np.inexact) for a in n.out_avals)
+        per_s = stash.setdefault(g, {})
+        for policy in policies:
+            sp = with_policy(spec, policy)
+            given = tuple(c or e for c, e in zip(cts, seeds))
+            carry = carry_bytes(sp, avals, first, second, given, False) if any(given) else None
+            per_s[policy] = per_s.get(policy, 0) + ct_bytes + (carry or 0)
+            if terminal and any(seeds):      # the loss's call: F and I may run as one
+                fc = carry_bytes(sp, avals, first, second, seeds, True)
+                had = fstash.setdefault(g, {}).get(policy, 0)
+                fstash[g][policy] = None if fc is None or had is None else had + fc
     stages = sorted(set(base) | set(params))
     return {g: StageFootprint(g, params.get(g, 0),
                               tuple((p, base.get(g, 0) + res.get(g, {}).get(p, 0))
-                                    for p in policies), outs.get(g, 0), stash.get(g, 0),
-                              batch.get(g, 0), recv.get(g, 0))
+                                    for p in policies), outs.get(g, 0),
+                              tuple((p, stash.get(g, {}).get(p, 0)) for p in policies),
+                              batch.get(g, 0), recv.get(g, 0), back.get(g, 0),
+                              tuple(fstash[g].items()) if g in fstash else ())
             for g in stages}
 
 

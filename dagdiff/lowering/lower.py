@@ -142,7 +142,7 @@ def lower(
         if node.index in seeds:
             extra["seed"] = seeds[node.index]
             groups = _groups(vjp_ops[node.index]) if split_backward else []
-            if len(groups) == 2:      # its I runs with it, its W later (`runtime.split`)
+            if len(groups) == 2:      # its I runs with it, its W later (`core.split`)
                 extra["split"] = (groups[0][1], groups[1][1])
         low.add(key, Task(key, fwd_task, node.spec, srcs, dev(node.stage), *vals,
                           tag=(node.stage, microbatch), vjp=node.index in has_vjp, **extra),
@@ -226,7 +226,7 @@ def _lower_vjp(low: Lowered, node: Node, op: Vjp, token: str, mb: int | None,
         key = make_key(phase, node.name, node.index, token, node.stage, mb)
         last = i == len(groups) - 1
         # a split's I leaves on the forward's result what its W needs to skip their
-        # shared work (`runtime.split`)
+        # shared work (`core.split`)
         then = {} if last else {"then": groups[i + 1][1]}
         low.add(key, Task(key, vjp_task, node.spec, srcs, wrt, tuple(ct_srcs), dev, fwd,
                           *ct_vals, *primals, release=last, **then), node.stage)

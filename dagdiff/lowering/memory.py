@@ -24,8 +24,12 @@ def loss_fused(trace: Trace, schedule: Schedule, m: int, loss_stage: int | None
                ) -> set[tuple[int, int]]:
     """The (stage, microbatch) pairs whose forward runs fused with its backward: the
     loss's stage, where the schedule runs B right after F (unless
-    ``dagdiff.fuse-loss-backward`` is off)."""
+    ``dagdiff.fuse-loss-backward`` is off, or the loss's call recomputes or has
+    hand-written rules: `lower` fuses neither)."""
     if loss_stage is None or not dask.config.get("dagdiff.fuse-loss-backward", True):
+        return set()
+    calls = [n for n in trace.nodes if n.kind == "call" and n.stage == loss_stage]
+    if calls and (calls[-1].spec.remat or getattr(calls[-1].spec.layer, "custom", False)):
         return set()
     return {(g, mb) for g, mb in fused_microbatches(trace, schedule, m)
             if g == loss_stage and g is not None}
@@ -40,10 +44,14 @@ def step_memory(footprints: Mapping[int, StageFootprint], schedule: Schedule, p:
     `inside_calls`: see `memory_peaks`."""
     params = {g: f.params for g, f in footprints.items()}
     kept = {g: f.kept_by(policy_of(remat, g)) * scale for g, f in footprints.items()}
-    stash = {g: f.stash * scale for g, f in footprints.items()}
+    stash = {g: f.stash_by(policy_of(remat, g)) * scale for g, f in footprints.items()}
     whole = {g: f.inputs * m * scale for g, f in footprints.items()}
     recv = {g: f.received * scale for g, f in footprints.items()}
-    return memory_peaks(schedule, p, m, params, kept, fused, stash, inside_calls, whole, recv)
+    back = {g: f.returned * scale for g, f in footprints.items()}
+    carried = {g: None if (c := f.fused_stash_by(policy_of(remat, g))) is None else c * scale
+               for g, f in footprints.items()}
+    return memory_peaks(schedule, p, m, params, kept, fused, stash, inside_calls, whole, recv,
+                        back, carried)
 
 
 def check_memory(trace: Trace, schedule: Schedule, m: int, remat: RematPolicy,

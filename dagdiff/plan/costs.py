@@ -246,9 +246,11 @@ class Profile:
                 layers=tuple(raw_layers.get(g) or fa["layers"]),
                 samples=len(samples[("F", g)]),
                 kept=footprints[g].kept if g in footprints else (),
-                stash_bytes=footprints[g].stash if g in footprints else 0,
+                stash=footprints[g].stash if g in footprints else (),
                 input_bytes=footprints[g].inputs if g in footprints else 0,
                 received_bytes=footprints[g].received if g in footprints else 0,
+                returned_bytes=footprints[g].returned if g in footprints else 0,
+                fused_stash=footprints[g].fused_stash if g in footprints else (),
                 recompute=(("full", 1.0), *sorted(shares.get(g, {}).items())),
                 peak_memory=peaks.get(str(build.targets.address(g)), 0)))
         if hops:

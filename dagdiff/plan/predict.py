@@ -184,12 +184,18 @@ def _memory(prof: Profile, sched: Schedule, p: int, m: int, remat: dict[int, str
     kept = {s.stage: s.kept_by(remat.get(s.stage, "none")) * scale for s in prof.stages}
     params = {s.stage: s.param_bytes for s in prof.stages}
     last = prof.num_stages - 1
+    # the loss's call runs its backward with its forward unless it recomputes (`lower`)
     fused = ({(g, mb) for g, mb in back_to_back(sched, p, m) if g == last}
-             if dask.config.get("dagdiff.fuse-loss-backward", True) else set())
-    stash = {s.stage: s.stash_bytes * scale for s in prof.stages}
+             if dask.config.get("dagdiff.fuse-loss-backward", True)
+             and remat.get(last, "none") != "full" else set())
+    stash = {s.stage: s.stash_by(remat.get(s.stage, "none")) * scale for s in prof.stages}
     whole = {s.stage: s.input_bytes * scale * m for s in prof.stages}
     recv = {s.stage: s.received_bytes * scale for s in prof.stages}
-    return memory_peaks(sched, p, m, params, kept, fused, stash, inside_calls, whole, recv)
+    back = {s.stage: s.returned_bytes * scale for s in prof.stages}
+    carried = {s.stage: None if (c := s.fused_stash_by(remat.get(s.stage, "none"))) is None
+               else c * scale for s in prof.stages}
+    return memory_peaks(sched, p, m, params, kept, fused, stash, inside_calls, whole, recv,
+                        back, carried)
 
 
 def _hosts(prof: Profile, p: int) -> list[Any] | None:

@@ -31,10 +31,13 @@ class StageProfile:
     fused stage's VJP, `dagdiff.core.footprint`), what `dd.predict(...).memory` adds up;
     ``recompute``: per policy, the share of F its backward runs again (1 for "full",
     XLA's cost estimate for "selective"); ``peak_memory``: the most bytes its worker
-    held in the profiled steps (measured, `Recording.peak_memory`); ``stash_bytes``: what
-    a split backward's I leaves for its W per microbatch; ``input_bytes``: one
-    microbatch of the batch inputs it reads (the step holds the whole batch);
-    ``received_bytes``: the activations a microbatch brings from earlier stages."""
+    held in the profiled steps (measured, `Recording.peak_memory`); ``stash``: per
+    policy, what a split backward's I leaves for its W per microbatch; ``fused_stash``:
+    per policy, what the loss's forward run with its I carries to its W (None: its
+    backward does not split); ``input_bytes``: one microbatch of the batch inputs it
+    reads (the step holds the whole batch); ``received_bytes``: the activations a
+    microbatch brings from earlier stages; ``returned_bytes``: the cotangents of those
+    its backward sends back (`dagdiff.core.footprint`)."""
 
     stage: int
     worker: str
@@ -51,9 +54,11 @@ class StageProfile:
     kept: tuple[tuple[str, int], ...] = ()
     recompute: tuple[tuple[str, float], ...] = ()
     peak_memory: int = 0
-    stash_bytes: int = 0
+    stash: tuple[tuple[str, int], ...] = ()
     input_bytes: int = 0
     received_bytes: int = 0
+    returned_bytes: int = 0
+    fused_stash: tuple[tuple[str, int | None], ...] = ()
 
     def cost(self, kind: str, policy: str = "none") -> float:
         """Seconds of one action of `kind` (F, B, I or W), the backward's (B, I) with
@@ -68,6 +73,15 @@ class StageProfile:
         if policy == "none":
             return 0.0
         return dict(self.recompute).get(policy, 1.0 if policy == "full" else 0.0)
+
+    def stash_by(self, policy: str) -> int:
+        """Bytes a split backward's I leaves for its W under `policy`."""
+        return dict(self.stash).get(policy, 0)
+
+    def fused_stash_by(self, policy: str) -> int | None:
+        """What the loss's fused forward carries to its W under `policy` (None: every
+        gradient is computed with the forward)."""
+        return dict(self.fused_stash).get(policy)
 
     def kept_by(self, policy: str) -> int:
         """Bytes one live microbatch keeps under `policy` (the traced activations when

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..core.spec import CallSpec
-from .split import SplitBackward, partition
+from ..core.split import SplitBackward, partition
 
 
 __all__ = ["compiled", "track_live", "note_remat", "remat_count", "reset_remat_count",
@@ -117,7 +117,7 @@ class _Compiled:
                   ) -> tuple[tuple[Any, ...], SplitBackward, tuple[Any, ...]] | None:
         """The gradients of the differentiated inputs `first`, plus what gives those of
         `second` later without walking the backward again: ``(grads, parts, stash)``,
-        then ``parts.run_second(stash)`` (`dagdiff.runtime.split`). None when the
+        then ``parts.run_second(stash)`` (`dagdiff.core.split`). None when the
         backward cannot be split that way."""
         p_leaves, p_tree = jax.tree_util.tree_flatten(pb)
         c_leaves, c_tree = jax.tree_util.tree_flatten(list(cts))

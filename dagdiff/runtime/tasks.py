@@ -118,7 +118,7 @@ def fwd_task(spec: CallSpec, srcs: tuple[int, ...], dev: int | None, *vals: Any,
     ``value_and_grad``, no residuals kept) and the VJP task only hands the cotangents
     on. `split` = (I's `wrt`, W's `wrt`) with a seed: the backward is split (a
     zero-bubble schedule) and only its I part runs with the forward; W's task runs the
-    rest later from what this one leaves (`dagdiff.runtime.split`). `after`:
+    rest later from what this one leaves (`dagdiff.core.split`). `after`:
     ordering-only dependencies.
     """
     try:

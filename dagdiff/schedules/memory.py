@@ -5,16 +5,20 @@ what a build checks against a worker's memory limit. A worker starts holding its
 parameters and the batch they read; then, per action, in order:
 
 - F of stage g: its live microbatch keeps ``kept[g]`` until its backward. A forward
-  fused with its backward (the loss's stage, where F and B run back to back) keeps only
-  the gradients it computed (``params[g]``) and the activations it received, until its
-  B task hands them on; fused with a split backward's I, the stash its W needs instead
-  of the gradients.
+  fused with its backward (the loss's stage, where F and B run back to back) keeps
+  instead the gradients it computed (``params[g]``, and ``returned[g]``: those of the
+  activations it received, which it sends back) and the activations it received, until
+  its B task hands them on; fused with a split backward's I, what its W needs instead
+  of the weight gradients (``fused_stash[g]``: the values the split carries), or, where
+  its backward cannot be split, every gradient as before, until W.
 - B (or W) of stage g: the microbatch's weight gradients (``params[g]``) appear and its
-  ``kept[g]`` goes (the pullback is dropped); then the accumulator adds the gradients to
-  the previous sum (a new sum while the old one is still held), and the gradients and
-  the old sum go.
+  ``kept[g]`` goes (the pullback is dropped); a B's result also holds the cotangents it
+  sends back (``returned[g]``) until the accumulation has read it. Then the accumulator
+  adds the gradients to the previous sum (a new sum while the old one is still held),
+  and the gradients and the old sum go.
 - I (a split backward's input part) frees nothing: its W still needs the residuals, and
-  it leaves ``stash[g]`` beside them (the cotangents W multiplies by), held until W.
+  it leaves ``stash[g]`` beside them (the output cotangents W reads, and what the split
+  carries), held until W; its own result (``returned[g]``) is sent on.
 
 The peak is the largest total at any of these points: where each task has its result
 and its inputs are still held.
@@ -46,12 +50,18 @@ def memory_peaks(schedule: Schedule, p: int, m: int, params: Mapping[int, float]
                  kept: Mapping[int, float], fused: Collection[tuple[int, int]] = (),
                  stash: Mapping[int, float] | None = None, inside_calls: bool = True,
                  held_whole: Mapping[int, float] | None = None,
-                 received: Mapping[int, float] | None = None) -> list[MemoryPeak]:
+                 received: Mapping[int, float] | None = None,
+                 returned: Mapping[int, float] | None = None,
+                 fused_stash: Mapping[int, float | None] | None = None) -> list[MemoryPeak]:
     """Per worker of `schedule` on `p` workers with `m` microbatches: its `MemoryPeak`.
     `params[g]` / `kept[g]`: bytes of stage g's parameters and of what one live
     microbatch keeps (`dagdiff.core.footprint`); `fused`: (stage, microbatch) pairs
     whose forward runs with its backward; `stash[g]`: what a split backward's I leaves
-    for its W (the stage's output cotangents), held from I to W. `inside_calls=False`
+    for its W (the output cotangents W reads and what the split carries), held from I
+    to W; `fused_stash[g]`: what a forward fused with its I carries to its W (None or
+    absent: its backward does not split, the forward computes every gradient);
+    `returned[g]`: the cotangents a backward of stage g computes for the activations it
+    received (its result, sent back). `inside_calls=False`
     leaves out what exists only inside one call (a fused forward and backward's
     residuals): the peak as samples between tasks see it, where no allocator reports
     its own peak (CPU). `held_whole[g]`: bytes stage g holds for the whole step (its
@@ -60,7 +70,9 @@ def memory_peaks(schedule: Schedule, p: int, m: int, params: Mapping[int, float]
     layout = schedule.checked_layout(p)
     held_whole = held_whole or {}
     received = received or {}
+    returned = returned or {}
     stash = stash or {}
+    fused_stash = fused_stash or {}
     split = schedule.split_backward
     out = []
     for w, order in enumerate(schedule.table(p, m)):
@@ -79,13 +91,16 @@ def memory_peaks(schedule: Schedule, p: int, m: int, params: Mapping[int, float]
             label = f"{a.kind}{a.microbatch} s{g}"
             pg, kg, sg = (float(params.get(g, 0)), float(kept.get(g, 0)),
                           float(stash.get(g, 0)))
-            # a forward fused with its B keeps only the gradients; one fused with its I
-            # (a split backward) only what its W needs (the stash), no pullback
+            rg, recv = float(returned.get(g, 0)), float(received.get(g, 0))
             is_fused = (g, a.microbatch) in fused
+            fs = fused_stash.get(g)
+            ahead = is_fused and not (split and fs is not None)   # every gradient with F
             if a.kind == "F":
                 live += 1
                 if is_fused:                         # inside the fused call, then after
-                    keeps = (sg if split else pg) + float(received.get(g, 0))
+                    # the input cotangents stay on its result until its last backward
+                    # task; then the weight gradients, or what its W needs to make them
+                    keeps = (pg if ahead else float(fs)) + rg + recv
                     note(held + (kg if inside_calls else 0.0) + keeps, label)
                     held += keeps
                 else:
@@ -94,20 +109,28 @@ def memory_peaks(schedule: Schedule, p: int, m: int, params: Mapping[int, float]
             elif a.kind == "I":
                 if not is_fused:                     # (a fused one ran with its F)
                     held += sg                       # what W will need, beside the residuals
-                note(held, label)
+                    note(held + rg, label)           # and its result, being sent back
+                else:
+                    note(held, label)
             else:                                   # B, W: weight gradients, accumulate
-                if not (is_fused and a.kind == "B"):    # a fused forward holds them already
+                if not ahead:                       # computed now
                     held += pg
-                note(held, label)
+                sent = rg if a.kind == "B" and not is_fused else 0.0
+                note(held + sent, label)
                 if not is_fused:                    # its pullback (residuals) is let go
                     held, acts = held - kg, acts - kg
-                elif a.kind in ("B", "W"):          # the inputs its fused forward kept
-                    held -= float(received.get(g, 0))
-                if a.kind == "W":
-                    held -= sg
+                    if a.kind == "W":
+                        held -= sg
+                else:                               # the inputs its fused forward kept,
+                    held -= recv + (0.0 if ahead else float(fs))    # and what W read
+                    if a.kind == "W":               # the input cotangents go with it
+                        held -= rg
+                    else:                           # B's result holds them until summed
+                        sent = rg
+                        held -= rg
                 live -= 1
                 if g in summed:                     # a new sum beside the old one
-                    note(held + pg, f"acc{a.microbatch} s{g}")
+                    note(held + pg + sent, f"acc{a.microbatch} s{g}")
                     held -= pg                      # the gradients and the old sum go
                 else:
                     summed.add(g)                   # the first sum is the gradients
