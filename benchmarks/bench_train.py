@@ -1,10 +1,11 @@
 """Trainer throughput: steps/s of dd.Trainer.step vs a plain jax.jit + optax step on the same
 model and data, and 2 replicas vs 1 (with the all-reduce's share of the step); then what
-fault tolerance costs: recover=True (a copy of each stage's new state sent to the next
-worker every step) against recover=False, interleaved, and the time from a SIGKILLed
-worker to the end of the retried step.
+fault tolerance costs: recover=True (the default: a copy of each stage's state sent to
+another worker once 10 steps and 1 s have passed since the last) and recover=True with a
+copy after every step (what one copy costs) against recover=False, interleaved, and the
+time from a SIGKILLed worker to the end of the retried step.
 Ratios only (noisy shared machine).
-Usage: python benchmarks/bench_train.py [--width 512] [--steps 10] [--rounds 4]
+Usage: python benchmarks/bench_train.py [--width 512] [--steps 10] [--rounds 8]
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from common import two_stage_loss as loss_fn
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     # --rounds: recover=True / recover=False rounds, interleaved
-    job_args(ap, width=512, layers=4, batch=256, steps=10, microbatches=4, rounds=4)
+    job_args(ap, width=512, layers=4, batch=256, steps=10, microbatches=4, rounds=8)
     a = ap.parse_args()
     key = jax.random.PRNGKey(0)
     params = [{"w": jax.random.normal(jax.random.fold_in(key, i), (a.width, a.width))
@@ -85,9 +86,9 @@ def main() -> None:
 
 
 def _fit_time(client: Any, params: Any, batches: list[Any], opt: Any, a: Any,
-              recover: bool) -> float:
+              recover: bool, **kw: Any) -> float:
     tr = dd.Trainer(loss_fn, opt, microbatches=a.microbatches, schedule="1f1b",
-                    client=client, recover=recover)
+                    client=client, recover=recover, **kw)
     state, _ = tr.fit(batches[:2], params=params, progress=False)    # compile, place
     t0 = time.perf_counter()
     tr.fit(batches, state=state, progress=False)
@@ -97,15 +98,20 @@ def _fit_time(client: Any, params: Any, batches: list[Any], opt: Any, a: Any,
 def recovery_cost(client: Any, params: Any, batches: list[Any], opt: Any, a: Any) -> None:
     """recover=True vs recover=False on 1 replica (the case that pays for copies), and the
     time from a kill to the retried step's end."""
-    times: dict[bool, list[float]] = {True: [], False: []}
+    modes = {"off": dict(recover=False), "on": dict(recover=True),
+             "every step": dict(recover=True, copy_every=1, copy_interval=0)}
+    times: dict[str, list[float]] = {m: [] for m in modes}
     for _ in range(a.rounds):
-        for recover in (False, True):
-            times[recover].append(_fit_time(client, params, batches, opt, a, recover))
-    on, off = statistics.median(times[True]), statistics.median(times[False])
+        for m, kw in modes.items():
+            times[m].append(_fit_time(client, params, batches, opt, a, **kw))
+    off, on, every = (statistics.median(times[m]) for m in modes)
+    d = dd.Trainer(loss_fn, opt)
     print(f"  fault tolerance, 1 replica: step {on * 1e3:.1f} ms with recover=True (a copy "
-          f"of every stage's state every {dd.Trainer(loss_fn, opt).copy_every} steps) vs "
-          f"{off * 1e3:.1f} ms with recover=False: "
-          f"{on / off - 1:+.1%} (median of {a.rounds} interleaved fits of {len(batches)} steps)")
+          f"of every stage's state once {d.copy_every} steps and {d.copy_interval:g} s have "
+          f"passed) vs {off * 1e3:.1f} ms with recover=False: {on / off - 1:+.1%}; a copy "
+          f"after every step: {every * 1e3:.1f} ms ({every / off - 1:+.1%}, i.e. "
+          f"~{(every - off) * 1e3:.0f} ms per copy) (medians of {a.rounds} interleaved fits "
+          f"of {len(batches)} steps)")
     tr = dd.Trainer(loss_fn, opt, microbatches=a.microbatches, schedule="1f1b", client=client)
     state, _ = tr.fit(batches[:2], params=params, progress=False)
     killed: list[float] = []
@@ -128,9 +134,10 @@ def recovery_cost(client: Any, params: Any, batches: list[Any], opt: Any, a: Any
         end = rec.failed_at + rec.seconds
         print(f"  a worker SIGKILLed mid-step: step {rec.step} failed "
               f"{rec.failed_at - killed[0]:.1f} s after the kill and its retry ended "
-              f"{end - killed[0]:.1f} s after it ({rec.seconds:.1f} s of recovery: waiting for "
-              f"the replacement worker, restoring {len(rec.restored)} state(s) from "
-              f"{', '.join(sorted({s for _, _, s in rec.restored})) or '-'})")
+              f"{end - killed[0]:.1f} s after it ({rec.seconds:.1f} s of recovery: "
+              f"{', '.join(f'stage {s} on {to}' for s, _, to in rec.moved) or 'no stage moved'}, "
+              f"{len(rec.restored)} value(s) restored from a copy, {rec.replayed} step(s) "
+              "run again)")
     if not tr.recoveries:
         print("  (the kill did not hit a step: no recovery)")
 

@@ -132,7 +132,8 @@ def _fit_with_kills(client: Any, n: int, opt: Any, replicas: int, kills: int,
     s0, losses0 = undisturbed.fit(batches, params=params, progress=False)
     want = undisturbed.params(s0)
     trainer = dd.Trainer(loss_fn, opt, microbatches=4, schedule="1f1b", replicas=replicas,
-                         client=client, copy_every=copy_every)
+                         client=client, copy_every=copy_every,
+                         copy_interval=0 if copy_every < 10 else 1.0)
     reference = jax_reference(opt, params, batches)
     with Killer(client, n, kills, seed) as killer:
         for _ in range(30):                 # fit again until every kill hit a fit
@@ -195,6 +196,30 @@ def test_a_state_nothing_else_holds_names_what_was_lost_and_how_to_resume(
         time.sleep(0.2)
     with pytest.raises(LostStateError, match=r"stage \d.*dd\.load"):
         trainer.step(state, *batches[2])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("cluster_client", [3], indirect=True)
+def test_the_state_fit_returns_survives_losing_its_stages_worker(cluster_client: Any) -> None:
+    """The state a short `fit` returns (fewer steps than `copy_every`) has a copy on the
+    worker that runs no stage; after stage 1's worker is killed, `trainer.params` reads
+    it from there (not Dask running the lost step again) and equals plain JAX + optax."""
+    client = cluster_client
+    opt = optax.adam(1e-2)
+    params, batches = make_data(3)
+    trainer = dd.Trainer(loss_fn, opt, microbatches=4, schedule="1f1b", client=client)
+    state, _ = trainer.fit(batches, params=params, progress=False)
+    assert state.backup is not None and set(state.backup) == set(state.placed)
+    client.gather(list(state.backup.values()))
+    slots = dd.cluster.info.slot_names(client)
+    for rg, fut in state.backup.items():
+        assert [slots[a] for a in client.who_has([fut])[fut.key]] == ["slot2"], rg
+    victim = next(a for a, s in slots.items() if s == "slot1")
+    os.kill(_pids(client)[victim], signal.SIGKILL)
+    deadline = time.time() + 60
+    while victim in client.scheduler_info()["workers"] and time.time() < deadline:
+        time.sleep(0.05)
+    close(trainer.params(state), jax_reference(opt, params, batches))
 
 
 @pytest.mark.timeout(300)
@@ -299,7 +324,7 @@ def test_a_step_loop_survives_lost_workers_with_trainer_recover(cluster_client: 
     opt = optax.sgd(0.05)
     params, batches = make_data(6)
     trainer = dd.Trainer(loss_fn, opt, microbatches=4, schedule="1f1b", replicas=replicas,
-                         client=client, copy_every=2)
+                         client=client, copy_every=2, copy_interval=0)
     state = trainer.init(params)
     rng, losses, failed = random.Random(replicas), [], []
     for i, (x, t) in enumerate(batches):

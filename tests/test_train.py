@@ -92,7 +92,7 @@ def test_trainer_on_cluster_matches_optax(client4: Any, schedule: str, replicas:
 def test_params_and_opt_state_stay_on_workers(client2: Any, monkeypatch: Any) -> None:
     params, batches = setup(4)
     trainer = dd.Trainer(loss_fn, optax.sgd(0.1), microbatches=2, schedule="1f1b",
-                         client=client2, copy_every=1)
+                         client=client2, copy_every=1, copy_interval=0)
     gathered: list[Any] = []
     real = client2._gather        # every gather (Future.result too) goes through it
 
@@ -131,6 +131,56 @@ def test_params_and_opt_state_stay_on_workers(client2: Any, monkeypatch: Any) ->
     for (r, g), fut in state.placed.items():
         (addr,) = who[fut.key]
         assert slots[addr] == f"slot{g}"
+
+
+def test_copies_wait_for_both_copy_every_steps_and_copy_interval_seconds(
+        monkeypatch: Any) -> None:
+    """With one replica a copy of the state goes out once `copy_every` steps and
+    `copy_interval` seconds have passed since the newest one (a fake clock); steps run
+    again from an older state count from there."""
+    from types import SimpleNamespace
+
+    import dagdiff.train.restoring as restoring
+
+    now = [100.0]
+    monkeypatch.setattr(restoring.time, "monotonic", lambda: now[0])
+    trainer = dd.Trainer(loss_fn, optax.sgd(0.1), copy_every=3, copy_interval=2.0)
+    model = SimpleNamespace(groups=[0, 1])
+    sent = []
+    for step in range(1, 13):
+        if trainer._to_copy(model, None, step):   # type: ignore[arg-type]
+            sent.append(step)
+        now[0] += 0.5                             # 0.5 s per step: 2 s is 4 steps
+    assert sent == [3, 7, 11]
+    assert trainer._to_copy(model, None, 5) == []         # a recovery went back to 5
+    now[0] += 1.0                                         # 2 s after the copy at 11
+    assert trainer._to_copy(model, None, 7) == []
+    assert trainer._to_copy(model, None, 8) == [(0, 0), (0, 1)]
+    every = dd.Trainer(loss_fn, optax.sgd(0.1), copy_every=2, copy_interval=0)
+    assert [s for s in range(1, 8) if every._to_copy(model, None, s)] == [2, 4, 6]
+    with pytest.raises(dd.ArgumentError, match="copy_interval"):
+        dd.Trainer(loss_fn, optax.sgd(0.1), copy_interval=-1)
+
+
+@pytest.mark.distributed
+def test_copies_go_to_a_worker_that_runs_no_stage(client4: Any) -> None:
+    """Two stages on a 4-worker cluster: each stage's copy goes to slot2, the first slot
+    after its own that runs no stage (where a lost stage is re-placed), not to the other
+    stage's worker, whose hops it would slow."""
+    params, batches = setup(2)
+    trainer = dd.Trainer(loss_fn, optax.sgd(0.1), microbatches=2, schedule="1f1b",
+                         client=client4, copy_every=1, copy_interval=0)
+    state = trainer.init(params)
+    for x, t in batches:
+        state, loss = trainer.step(state, x, t)
+    loss.result()
+    client4.gather(list(state.backup.values()))
+    slots = dd.cluster.info.slot_names(client4)
+    who = client4.who_has(list(state.placed.values()) + list(state.backup.values()))
+    for (r, g), fut in state.placed.items():
+        assert {slots[a] for a in who[fut.key]} >= {f"slot{g}"}
+        assert {slots[a] for a in who[state.backup[(r, g)].key]} == {"slot2"}
+    del state, loss
 
 
 def test_checkpoint_round_trip_and_exact_resume(tmp_path: Any) -> None:

@@ -107,6 +107,10 @@ class FitRun:
                     self.take_one()
             while pending:
                 self.take_one()
+            if self.losses:
+                # the state handed back outlives the fit (a notebook keeps it while the
+                # cluster scales down): it gets a copy on another worker when it has none
+                self.finished = tr._with_copy(self.finished, batch)
         except KeyboardInterrupt:
             self.interrupted()
             # this frame, kept alive by the traceback, must not hold the in-flight futures

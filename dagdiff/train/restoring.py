@@ -90,6 +90,19 @@ class Restoring:
                                         "recover", wall, moved))
         return now
 
+    def _whole(self, state: TrainState) -> TrainState:
+        """`state` with the values lost with their worker taken from another replica or
+        their copy (`state` itself when all are held, or when it has no copies): what
+        reading a finished state needs, where Dask would run its lost step again."""
+        if (not self.recovering or not (state.backup or self._has_copy(state))
+                or self._usable(state)):
+            return state
+        model = next((m for m in self._cache.values() if m.groups == state.groups), None)
+        if model is None:
+            return state
+        restored, done = self._restored(state, model, ask=True)
+        return restored
+
     def _lineage(self, before: TrainState, batch: Sequence[Any]) -> Lineage | None:
         """How the state a step from `before` on `batch` makes can be made again: from
         `before` when it survives any one lost worker (replicas, copies, or the client's
@@ -125,11 +138,21 @@ class Restoring:
     def _to_copy(self, model: "StepModel", targets: Targets, step: int
                  ) -> list[tuple[int, int]]:
         """The (replica, group) values of the state a step makes that get a copy: with one
-        replica every `copy_every`-th step's; with more, those of a group whose replicas
-        all run on one worker (e.g. after a loss put them together), every step."""
+        replica all of them, once `copy_every` steps and `copy_interval` seconds have
+        passed since the newest copy (a copy costs a stage's state through the comms,
+        ~20 ms for 6 MB on two cores: at most a few percent of the steps it covers); with
+        more, those of a group whose replicas all run on one worker (e.g. after a loss
+        put them together), every step."""
         groups = range(len(model.groups))
         if self.replicas == 1:
-            return [(0, g) for g in groups] if step % self.copy_every == 0 else []
+            last, then = self._copied
+            now = time.monotonic()
+            if step < last:                       # steps run again from an older state
+                self._copied = (step, then)
+            elif step - last >= self.copy_every and now - then >= self.copy_interval:
+                self._copied = (step, now)
+                return [(0, g) for g in groups]
+            return []
         out = []
         for g in groups:
             stages = [model.group_stage[g] + r * model.p for r in range(self.replicas)]
@@ -141,14 +164,22 @@ class Restoring:
                 targets: Targets, token: str,
                 held: Mapping[str, Collection[str]] | None = None
                 ) -> dict[tuple[int, int], Any]:
-        """A copy of each value of `placed` on another worker: the next one after its
-        stage's (slots in order), sent after the step's update, off its critical path;
-        none on a one-worker cluster. `held` (key -> addresses holding it, a restored
+        """A copy of each value of `placed` on another worker, sent after the step's
+        update, off its critical path; none on a one-worker cluster. The copy goes where
+        a lost stage would be re-placed (`cluster.targets`): the first worker after its
+        stage's (slots in order) that runs no stage of the step, else the least busy one,
+        so that receiving megabytes does not slow a stage's hops and a recovery finds
+        the copy where the stage goes. `held` (key -> addresses holding it, a restored
         value that may not be on its stage's worker): the stage's worker when it does not
-        hold the value, else the next worker that does not."""
+        hold the value, else the first of those that does not."""
         slots = targets.slots
         ring = sorted(targets.addresses) if slots else sorted(set(targets.of.values()))
         address = dict(targets.addresses) if slots else {a: a for a in ring}
+        load: dict[Any, int] = {}                 # stages each worker runs
+        for r in range(self.replicas):
+            for g in range(len(model.groups)):
+                w = targets.target(model.group_stage[g] + r * model.p)
+                load[w] = load.get(w, 0) + 1
         out = {}
         for (r, g), fut in placed.items():
             stage = model.group_stage[g] + r * model.p
@@ -156,7 +187,8 @@ class Restoring:
             if home not in ring or len(ring) < 2:
                 continue
             i = ring.index(home)
-            order = ring[i + 1:] + ring[:i]
+            after = ring[i + 1:] + ring[:i]
+            order = sorted(after, key=lambda w: (load.get(w, 0), after.index(w)))
             if held is not None:
                 have = set(held.get(fut.key, ()))
                 order = [w for w in [home, *order] if address[w] not in have] or order
@@ -183,6 +215,7 @@ class Restoring:
         copies = self._copies(single, model, targets, token, held)
         if set(single) - set(copies):
             return state                      # one live worker: nowhere to copy to
+        self._copied = (state.step, time.monotonic())
         # a value two workers hold is its own copy (dagdiff keeps the replicas: no AMM
         # ReduceReplicas); restore finds it while either of them lives
         backup = {rg: copies.get(rg, v) for rg, v in state.placed.items()}

@@ -71,8 +71,9 @@ class Trainer(StepGraph, Restoring):
     (pipelined steps on a cluster default to "direct").
 
     ``recover=True`` (the default) makes training survive a lost worker: every state has
-    a second copy on another worker (another replica's; with one replica, every
-    `copy_every`-th step sends a copy of each stage's state to the next worker), `fit`
+    a second copy on another worker (another replica's; with one replica, a copy of each
+    stage's state goes to another worker once `copy_every` steps and `copy_interval`
+    seconds have passed since the last copy: a recovery runs the steps since again), `fit`
     runs a step that lost a worker again from the newest state it can restore, running
     the finished steps since again from their batches (at most `max_retries` times per
     step), and lists what it did in `recoveries`; `step` restores a state whose values
@@ -85,7 +86,7 @@ class Trainer(StepGraph, Restoring):
                  stages: int | str | Any = None, placement: Mapping[int, Any] | None = None,
                  fuse: bool | None = None, batch_argnums: Sequence[int] | None = None,
                  batch_axis: int = 0, dispatch: str | None = None, recover: bool = True,
-                 max_retries: int = 3, copy_every: int = 10,
+                 max_retries: int = 3, copy_every: int = 10, copy_interval: float = 1.0,
                  remat: str | Mapping[int, str] | None = None) -> None:
         for label, value in (("replicas", replicas), ("microbatches", microbatches)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -105,7 +106,14 @@ class Trainer(StepGraph, Restoring):
             raise ArgumentError(f"Trainer: max_retries must be an int >= 0, got {max_retries!r}")
         if not isinstance(copy_every, int) or isinstance(copy_every, bool) or copy_every < 1:
             raise ArgumentError(f"Trainer: copy_every must be an int >= 1, got {copy_every!r}")
+        if (not isinstance(copy_interval, (int, float)) or isinstance(copy_interval, bool)
+                or not copy_interval >= 0):
+            raise ArgumentError(f"Trainer: copy_interval must be seconds >= 0 (0: every "
+                                f"copy_every steps), got {copy_interval!r}")
         self.copy_every = copy_every
+        self.copy_interval = float(copy_interval)
+        #: (step, time.monotonic()) of the newest copy sent (`Restoring._to_copy`)
+        self._copied: tuple[int, float] = (0, float("-inf"))
         #: whether states keep what recovery needs (the ``recover=`` option)
         self.recovering = bool(recover)
         self.max_retries = max_retries
@@ -164,11 +172,15 @@ class Trainer(StepGraph, Restoring):
         return opt
 
     def gather(self, state: TrainState) -> tuple[list[Any], list[Any]]:
+        """(parameter leaves, optimizer state per group) of `state`, concrete; a value
+        lost with its worker (e.g. scaled away after `fit`) comes from its copy."""
         if not state.is_placed:
             if state.groups is None or state.opt_leaves is None:
                 return list(state.params or ()), []
             opts = [self._opt_from_leaves(state, g) for g in range(len(state.groups))]
             return list(state.params or ()), opts
+        if self.client is not None:
+            state = self._whole(state)
         ngroups = len(state.groups or ())
         parts = [state.placed[(0, g)] for g in range(ngroups)]
         if self.client is not None:
