@@ -1,7 +1,7 @@
 """Trainer throughput: steps/s of dd.Trainer.step vs a plain jax.jit + optax step on the same
 model and data, and 2 replicas vs 1 (with the all-reduce's share of the step); then what
 fault tolerance costs: recover=True (the default: a copy of each stage's state sent to
-another worker once 10 steps and 1 s have passed since the last) and recover=True with a
+another worker once 10 steps and copy_seconds() have passed since the last) and recover=True with a
 copy after every step (what one copy costs) against recover=False, interleaved, and the
 time from a SIGKILLed worker to the end of the retried step.
 Ratios only (noisy shared machine).
@@ -106,8 +106,9 @@ def recovery_cost(client: Any, params: Any, batches: list[Any], opt: Any, a: Any
             times[m].append(_fit_time(client, params, batches, opt, a, **kw))
     off, on, every = (statistics.median(times[m]) for m in modes)
     d = dd.Trainer(loss_fn, opt)
+    d.init(params)
     print(f"  fault tolerance, 1 replica: step {on * 1e3:.1f} ms with recover=True (a copy "
-          f"of every stage's state once {d.copy_every} steps and {d.copy_interval:g} s have "
+          f"of every stage's state once {d.copy_every} steps and {d.copy_seconds():.2f} s have "
           f"passed) vs {off * 1e3:.1f} ms with recover=False: {on / off - 1:+.1%}; a copy "
           f"after every step: {every * 1e3:.1f} ms ({every / off - 1:+.1%}, i.e. "
           f"~{(every - off) * 1e3:.0f} ms per copy) (medians of {a.rounds} interleaved fits "

@@ -160,6 +160,13 @@ def test_copies_wait_for_both_copy_every_steps_and_copy_interval_seconds(
     assert [s for s in range(1, 8) if every._to_copy(model, None, s)] == [2, 4, 6]
     with pytest.raises(dd.ArgumentError, match="copy_interval"):
         dd.Trainer(loss_fn, optax.sgd(0.1), copy_interval=-1)
+    # by default the interval follows the state's size: adam keeps two moments per
+    # parameter and a step count (int32): 3 x (512 x 512 + 512) float32 + 4 bytes
+    auto = dd.Trainer(loss_fn, optax.adam(1e-3))
+    auto.init({"w": jnp.zeros((512, 512)), "b": jnp.zeros(512)})
+    size = 3 * (512 * 512 + 512) * 4 + 4
+    assert auto.copy_seconds() == pytest.approx(
+        restoring.COPY_SHARE * size / restoring.COPY_RATE)
 
 
 @pytest.mark.distributed

@@ -7,6 +7,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Collection, Mapping, Sequence
 
+import jax
+import numpy as np
 from dask.base import tokenize
 
 from ..build import pinned
@@ -29,6 +31,14 @@ if TYPE_CHECKING:
 __all__ = ["Restoring"]
 
 log = logging.getLogger(__name__)
+
+#: bytes per second a copy of the state costs the training: the 12.6 MB of a 4x512 MLP's
+#: two stages (parameters and adam state) cost ~40 ms of wall time per copy with a copy
+#: every 10 steps (+6.8% at 58 ms steps), ~21 ms each when every step copies, on the
+#: 2-core development machine (`benchmarks/bench_train.py`, 2026-12-05); rounded down
+COPY_RATE = 2.5e8
+#: the default interval between copies is this many times their estimated cost (~5%)
+COPY_SHARE = 20
 
 
 class Restoring:
@@ -135,12 +145,30 @@ class Restoring:
         except Exception:                         # noqa: BLE001 - only for the record
             return ()
 
+    def copy_seconds(self) -> float:
+        """The least time between two copies of the state: `copy_interval`, or by default
+        `COPY_SHARE` times what sending the whole state (parameters and optimizer state)
+        is estimated to take at `COPY_RATE` (a 12.6 MB state: every ~1 s; 200 KB: every
+        step that `copy_every` allows)."""
+        if self.copy_interval is not None:
+            return self.copy_interval
+        if self._state_bytes is None:
+            params = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in self._template]
+            try:
+                opt = jax.eval_shape(self.optimizer.init, params)
+            except Exception:                     # noqa: BLE001 - only an estimate
+                opt = params
+            self._state_bytes = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+                                    for a in jax.tree_util.tree_leaves((params, opt))
+                                    if hasattr(a, "shape"))
+        return COPY_SHARE * self._state_bytes / COPY_RATE
+
     def _to_copy(self, model: "StepModel", targets: Targets, step: int
                  ) -> list[tuple[int, int]]:
         """The (replica, group) values of the state a step makes that get a copy: with one
-        replica all of them, once `copy_every` steps and `copy_interval` seconds have
-        passed since the newest copy (a copy costs a stage's state through the comms,
-        ~20 ms for 6 MB on two cores: at most a few percent of the steps it covers); with
+        replica all of them, once `copy_every` steps and `copy_seconds()` have passed
+        since the newest copy (a copy costs the state's bytes through the comms, ~40 ms
+        for two stages of 6 MB on two cores: at most ~5% of the steps it covers); with
         more, those of a group whose replicas all run on one worker (e.g. after a loss
         put them together), every step."""
         groups = range(len(model.groups))
@@ -149,7 +177,7 @@ class Restoring:
             now = time.monotonic()
             if step < last:                       # steps run again from an older state
                 self._copied = (step, then)
-            elif step - last >= self.copy_every and now - then >= self.copy_interval:
+            elif step - last >= self.copy_every and now - then >= self.copy_seconds():
                 self._copied = (step, now)
                 return [(0, g) for g in groups]
             return []
@@ -271,8 +299,10 @@ class Restoring:
         model = self._model(batch)
         token = tokenize(state_identity(state), ensure_deterministic=False)[:16]
         assert state.placed is not None
-        return dataclasses.replace(
-            state, backup=self._copies(state.placed, model, self._targets(model), token))
+        copies = self._copies(state.placed, model, self._targets(model), token)
+        if copies:
+            self._copied = (state.step, time.monotonic())
+        return dataclasses.replace(state, backup=copies)
 
     def _has_copy(self, state: TrainState) -> bool:
         """Whether every value of `state` has a second copy on another worker: another
