@@ -75,3 +75,31 @@ def test_embedded_batch_data_is_a_numpy_view_of_a_cpu_jax_array() -> None:
     seen = []
     jax.jit(lambda t: seen.append(host_view(t) is t) or t)(x)   # a tracer stays itself
     assert seen == [True]
+
+
+def test_acc_task_sums_each_leaf_as_eager_adds_do() -> None:
+    """The gradient accumulator sums float leaves in one jitted call and others eagerly:
+    the same values and dtypes as adding the parts one by one, a lone part passed on as
+    it is, and zeros for a leaf without contributions."""
+    from dagdiff.runtime.tasks import acc_task
+
+    rng = np.random.default_rng(0)
+    vals = (jnp.asarray(rng.normal(size=(3, 4)), jnp.float32),
+            rng.normal(size=5).astype(np.float32),          # a NumPy array (host)
+            jnp.arange(3, dtype=jnp.int32),
+            jnp.asarray(rng.normal(size=2), jnp.bfloat16))
+    other = tuple(v * 2 for v in vals)
+    prev = tuple(v + 1 for v in vals) + (jnp.ones(2),)
+    layout = tuple((((0, i), (1, i)), (np.shape(v), v.dtype)) for i, v in enumerate(vals)) \
+        + (((), ((2,), np.float32)),)
+    got = acc_task(layout, None, prev, vals, other)
+    for i, v in enumerate(vals):
+        want = v + other[i] + prev[i]
+        assert got[i].dtype == want.dtype
+        np.testing.assert_allclose(np.asarray(got[i], np.float64),
+                                   np.asarray(want, np.float64), rtol=1e-2)
+    np.testing.assert_array_equal(np.asarray(got[4]), np.ones(2))
+    first = acc_task(((((0, 0),), ((3, 4), np.float32)),), None, None, vals)
+    assert first[0] is vals[0]
+    empty = acc_task(((((), ((2,), np.float32))),), None, None)
+    np.testing.assert_array_equal(np.asarray(empty[0]), np.zeros(2))

@@ -310,9 +310,14 @@ def mean_task(*values: Any) -> Any:
 def acc_task(layout: tuple[Any, ...], dev: int | None, prev: Any, *vals: Any,
              **after: Any) -> tuple[Any, ...]:
     """Gradient accumulator of one stage and microbatch: for each parameter leaf, the sum
-    of its contributions (entries of `vals`) plus its sum from the previous microbatch."""
+    of its contributions (entries of `vals`) plus its sum from the previous microbatch.
+    The leaves with more than one part are summed in one jitted call (one dispatch for
+    the stage, not one per leaf and part: on a worker each dispatch is a chance to lose
+    the GIL to the event loop, which a step's hops wait on)."""
     device = _device(dev)
-    out = []
+    out: list[Any] = []
+    groups: list[tuple[Any, ...]] = []
+    where: list[int] = []
     for i, (entries, zeros) in enumerate(layout):
         parts = [_put(_take(vals[j], s), device) for j, s in entries]
         if prev is not None:
@@ -320,12 +325,46 @@ def acc_task(layout: tuple[Any, ...], dev: int | None, prev: Any, *vals: Any,
         if not parts:
             shape, dtype = zeros
             out.append(_put(jnp.zeros(shape, dtype), device))
-            continue
+        elif len(parts) == 1:
+            out.append(parts[0])
+        elif all(_summable(p) for p in parts):
+            out.append(None)
+            groups.append(tuple(parts))
+            where.append(i)
+        else:
+            total = parts[0]
+            for p in parts[1:]:
+                total = total + p
+            out.append(total)
+    if groups:
+        for i, total in zip(where, _sum_groups(tuple(groups))):
+            out[i] = total
+    sample_memory()
+    return tuple(out)
+
+
+def _summable(x: Any) -> bool:
+    """Whether `x` goes through `_sum_groups`: an array of a floating or complex dtype."""
+    if not isinstance(x, (jax.Array, np.ndarray)):
+        return False
+    inexact = _INEXACT.get(x.dtype)
+    if inexact is None:
+        inexact = _INEXACT[x.dtype] = bool(jnp.issubdtype(x.dtype, jnp.inexact))
+    return inexact
+
+
+_INEXACT: dict[Any, bool] = {}
+
+
+@jax.jit
+def _sum_groups(groups: tuple[tuple[Any, ...], ...]) -> tuple[Any, ...]:
+    """Per group, the sum of its arrays (traced once per structure, shapes and dtypes)."""
+    out = []
+    for parts in groups:
         total = parts[0]
         for p in parts[1:]:
             total = total + p
         out.append(total)
-    sample_memory()
     return tuple(out)
 
 
