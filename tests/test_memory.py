@@ -87,6 +87,14 @@ def test_trainer_with_a_policy_per_stage_equals_optax() -> None:
 
 
 # ------------------------------------------------------------------ bytes by hand
+def traced(stages: int, layers: int, schedule: Any, remat: Any = None) -> Any:
+    """The traced model of `staged(stages, layers)` on 16-wide layers, batch 32 in 4
+    microbatches (8 x 16 float32: 512 bytes per activation)."""
+    params, x, t = mlp(16, 32, layers)
+    return trace_model(staged(stages, layers), (params, x, t), {},
+                       Options.make("t", microbatches=4, schedule=schedule, remat=remat),
+                       None)
+
 
 def test_residual_bytes_by_hand() -> None:
     """One tanh dense layer per stage, microbatch (8, 16) float32 = 512 bytes per
@@ -94,11 +102,7 @@ def test_residual_bytes_by_hand() -> None:
     recomputation tanh's output and the product (JAX's VJP of tanh and of the sum keep
     both: 1024); selective, the product only (512); full, nothing. Its input is a view
     of the batch, which the step holds whole (`inputs`: one microbatch's 512)."""
-    loss = staged(2, 2)
-    params, x, t = mlp(16, 32, 2)
-    m = trace_model(loss, (params, x, t), {}, Options.make("t", microbatches=4,
-                                                           schedule="1f1b"), None)
-    fps = stage_footprints(m.trace)
+    fps = stage_footprints(traced(2, 2, "1f1b").trace)
     act = 8 * 16 * 4
     assert fps[0].params == (16 * 16 + 16) * 4
     assert dict(fps[0].kept) == {"none": 3 * act, "selective": 2 * act, "full": act}
@@ -156,10 +160,7 @@ def test_split_backward_stash_is_what_the_split_keeps() -> None:
     cotangents (3 x 512). The first stage has no I (its input is data): it holds its
     output cotangent until W. Each figure also equals the bytes `runtime.compiled`
     keeps, run on arrays."""
-    loss = staged(3, 6)
-    params, x, t = mlp(16, 32, 6)
-    m = trace_model(loss, (params, x, t), {}, Options.make("t", microbatches=4,
-                                                           schedule="zb-h1"), None)
+    m = traced(3, 6, "zb-h1")
     fps = stage_footprints(m.trace)
     act = 8 * 16 * 4
     assert dict(fps[1].stash) == {"none": 3 * act, "selective": act, "full": act}
@@ -175,8 +176,7 @@ def test_split_backward_stash_is_what_the_split_keeps() -> None:
     # the loss's call runs F with I unless it recomputes (`lower` seeds no such call)
     sched = get_schedule("zb-h1")
     assert loss_fused(m.trace, sched, 4, 2) == {(2, mb) for mb in range(4)}
-    full = trace_model(loss, (params, x, t), {}, Options.make(
-        "t", microbatches=4, schedule=sched, remat="full"), None)
+    full = traced(3, 6, sched, remat="full")
     assert loss_fused(full.trace, sched, 4, 2) == set()
 
 
