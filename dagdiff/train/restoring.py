@@ -105,7 +105,8 @@ class Restoring:
         their copy (`state` itself when all are held, or when it has no copies): what
         reading a finished state needs, where Dask would run its lost step again."""
         if (not self.recovering or not (state.backup or self._has_copy(state))
-                or self._usable(state)):
+                or getattr(state.loss, "worker_lost", False)     # its step failed: its
+                or self._usable(state)):                         # own error says so
             return state
         model = next((m for m in self._cache.values() if m.groups == state.groups), None)
         if model is None:
