@@ -133,7 +133,7 @@ def _fit_with_kills(client: Any, n: int, opt: Any, replicas: int, kills: int,
     want = undisturbed.params(s0)
     trainer = dd.Trainer(loss_fn, opt, microbatches=4, schedule="1f1b", replicas=replicas,
                          client=client, copy_every=copy_every,
-                         copy_interval=0 if copy_every < 10 else 1.0)
+                         copy_interval=0 if copy_every < 10 else None)
     reference = jax_reference(opt, params, batches)
     with Killer(client, n, kills, seed) as killer:
         for _ in range(30):                 # fit again until every kill hit a fit
