@@ -348,6 +348,42 @@ def test_a_step_loop_survives_lost_workers_with_trainer_recover(cluster_client: 
     assert trainer.recover(state) is state                # nothing lost: the same state
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("cluster_client", [2], indirect=True)
+def test_recover_goes_back_past_a_state_whose_copies_had_not_landed(cluster_client: Any
+                                                                    ) -> None:
+    """A worker lost before the newest copies land takes the state and its copy: `recover`
+    goes back to the state before, whose copies landed, and runs both steps again (CI saw
+    the race as a `LostStateError`; here the copies are cancelled so it always happens)."""
+    client = cluster_client
+    opt = optax.sgd(0.05)
+    params, batches = make_data(5)
+    trainer = dd.Trainer(loss_fn, opt, microbatches=4, schedule="1f1b", client=client,
+                         copy_every=1, copy_interval=0)
+    state = trainer.init(params)
+    losses = []
+    for i, (x, t) in enumerate(batches):
+        state, loss = trainer.step(state, x, t)
+        if i == 2:                          # this state's copies never land
+            assert state.backup
+            client.cancel(list(state.backup.values()))
+        if i == 3:
+            assert state.lineage is not None and state.lineage.fallback is not None
+            deadline = time.time() + 5
+            while time.time() < deadline and not any(client.run(_running).values()):
+                time.sleep(0.005)
+            os.kill(_pids(client)[state.where[(0, 1)]], signal.SIGKILL)
+            with pytest.raises(dd.WorkerLostError):
+                loss.result()
+            state = trainer.recover(state)
+            loss = state.loss
+            assert trainer.recoveries[-1].replayed == 1       # steps 2 and 3 again
+        losses.append(float(loss.result()))
+    p, want = M.optax_reference(loss_fn, opt, params, batches)
+    np.testing.assert_allclose(losses, want, rtol=1e-5)
+    close(trainer.params(state), p, rtol=2e-4, atol=2e-5)
+
+
 def test_lost_values_sees_what_the_scheduler_still_has(client2: Any) -> None:
     """A value in a worker's memory is alive; a cancelled one is lost (the check asks the
     scheduler with the futures themselves)."""

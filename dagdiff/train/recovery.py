@@ -55,10 +55,22 @@ class Placement:
 class Lineage:
     """How a Trainer state can be made again: from `start`, a state that survives the loss
     of any one worker (placed with another replica or a copy of each value, or the initial
-    state the client holds), by running the steps of `batches` in order."""
+    state the client holds), by running the steps of `batches` in order; else, when a loss
+    came before `start`'s copies landed, by way of `fallback`."""
 
     start: Any                                   # a TrainState, without a lineage of its own
     batches: tuple[tuple[Any, ...], ...]
+    #: another way to the same state, from an older start: kept while `start`'s copies
+    #: are still on their way (a loss before they land takes them too)
+    fallback: "Lineage | None" = None
+
+    def ways(self) -> list["Lineage"]:
+        """This lineage and its fallbacks, newest start first."""
+        out, now = [], self
+        while now is not None:
+            out.append(now)
+            now = now.fallback
+        return out
 
 
 class StepLoss(Future):

@@ -83,12 +83,25 @@ class Restoring:
             self._last = restored
             return restored
         model = self._model(lineage.batches[0])
-        start = lineage.start
         targets = self._targets(model)            # the live workers: no waiting
         done: tuple[tuple[int, int, str], ...] = ()
-        if start.is_placed:
-            start, done = self._restored(start, model, ask=True)
+        first: LostStateError | None = None
+        for way in lineage.ways():                # newest start first
+            start = way.start
+            if not start.is_placed:
+                break
+            try:
+                start, done = self._restored(start, model, ask=True)
+            except LostStateError as e:           # its copies were lost before they landed
+                log.debug("dagdiff: cannot restart from step %d: %s", start.step, e)
+                first = first or e
+                continue
             start = self._protect(start, model)   # a second copy before it is used
+            break
+        else:
+            assert first is not None
+            raise first
+        lineage = way
         moved = tuple((s, own, to) for s, (own, to) in sorted(targets.moved.items()))
         now = start
         for b in lineage.batches:
@@ -121,11 +134,31 @@ class Restoring:
         if not self.recovering:
             return None
         if not before.is_placed or before.backup or self._has_copy(before):
+            fallback = None
+            if before.lineage is not None and not self._landed(before):
+                fallback = self._extended(before.lineage, batch)
             return Lineage(dataclasses.replace(before, lineage=None, loss=None),
-                           (tuple(batch),))
+                           (tuple(batch),), fallback)
         if before.lineage is not None:
-            return Lineage(before.lineage.start, before.lineage.batches + (tuple(batch),))
+            return self._extended(before.lineage, batch)
         return None
+
+    def _extended(self, lineage: Lineage, batch: Sequence[Any]) -> Lineage:
+        """`lineage` one step further (`batch`), its fallbacks too while its start's
+        copies have not all landed."""
+        fallback = lineage.fallback
+        if fallback is not None and self._landed(lineage.start):
+            fallback = None
+        return Lineage(lineage.start, lineage.batches + (tuple(batch),),
+                       None if fallback is None else self._extended(fallback, batch))
+
+    @staticmethod
+    def _landed(state: TrainState) -> bool:
+        """Whether `state`'s values and their copies are all in memory (as far as the
+        client has heard): a loss now would leave it restorable."""
+        futures = [v for v in (*(state.placed or {}).values(), *(state.backup or {}).values())
+                   if hasattr(v, "status")]
+        return all(f.status == "finished" for f in futures)
 
     def _usable(self, state: TrainState) -> bool:
         """Whether every value of `state` is held by a worker (or still being computed by
