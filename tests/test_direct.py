@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import dask
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -420,3 +421,67 @@ def test_a_failed_trainer_step_fails_every_stage_and_the_next_step(client2: Any)
     with pytest.raises(Exception, match="fragile: input too large"):
         l3.result(timeout=60)
     assert _waiting(client2) == 0
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("chain", [True, False])
+def test_a_trainer_step_takes_the_state_of_the_step_before_in_place(
+        client2: Any, chain: bool, monkeypatch: Any) -> None:
+    """Trainer steps in flight: each step's programs read the new state the step before
+    made on their worker straight from that program (no Dask dependency on it, so the
+    scheduler sends them at once: ``dagdiff.direct.chain-steps``, the default), and the
+    losses and parameters equal plain JAX + optax. A step submitted twice from one state
+    (same keys: Dask runs one of the two submissions) still feeds the next step."""
+    import optax
+
+    import dagdiff.train.trainer as trainer_module
+
+    graphs = []
+
+    def to_delayed(graph: Any, keys: Any) -> Any:
+        graphs.append(dict(graph))
+        return trainer_module.to_delayed.__wrapped__(graph, keys)
+
+    to_delayed.__wrapped__ = trainer_module.to_delayed         # type: ignore[attr-defined]
+    monkeypatch.setattr(trainer_module, "to_delayed", to_delayed)
+
+    def loss_fn(params: Any, x: Any, t: Any) -> Any:
+        with dd.stage(0):
+            h = _linear(params[0], x)
+        with dd.stage(1):
+            return _mse(_linear(params[1], h), t)
+
+    key = jax.random.PRNGKey(0)
+    params = [jax.random.normal(key, (8, 8)) * 0.3, jax.random.normal(key, (8, 8)) * 0.2]
+    batches = [(jax.random.normal(jax.random.fold_in(key, i), (8, 8)),
+                jax.random.normal(jax.random.fold_in(key, 50 + i), (8, 8))) for i in range(4)]
+    opt = optax.adam(1e-2)
+    with dask.config.set({"dagdiff.direct.chain-steps": chain}):
+        tr = dd.Trainer(loss_fn, opt, microbatches=2, schedule="1f1b", client=client2,
+                        dispatch="direct")
+        state = tr.init(params)
+        state, l0 = tr.step(state, *batches[0])
+        state1a, l1a = tr.step(state, *batches[1])
+        state1, l1 = tr.step(state, *batches[1])        # the same step again
+        assert l1.key == l1a.key
+        state2, l2 = tr.step(state1, *batches[2])
+        state3, l3 = tr.step(state2, *batches[3])
+        losses = [float(x.result(timeout=60)) for x in (l0, l1a, l1, l2, l3)]
+    programs = [t for t in graphs[-1].values() if getattr(t, "func", None) is run_program]
+    assert len(programs) == 2
+    from_before = {str(t.key): [d for d in t.dependencies if str(d).startswith("update_")]
+                   for t in programs}
+    if chain:
+        assert not any(from_before.values()), from_before
+    else:
+        assert all(from_before.values()), from_before
+    p, s = params, opt.init(params)
+    want = []
+    for x, t in batches:
+        loss, g = jax.value_and_grad(loss_fn)(p, x, t)
+        u, s = opt.update(g, s, p)
+        p = optax.apply_updates(p, u)
+        want.append(float(loss))
+    np.testing.assert_allclose(losses, [want[0], want[1], want[1], want[2], want[3]],
+                               rtol=1e-5)
+    close(tr.params(state3), p)

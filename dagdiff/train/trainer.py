@@ -46,6 +46,7 @@ from ..cluster.targets import Targets, resolve_targets
 from ..core.forms import ModelForm, lower_args
 from ..core.tracer import home_stages
 from ..errors import ArgumentError, MicrobatchError, PlacementError, TrainerError
+from ..runtime.direct import Source, chain_step
 from ..extras import available, require
 from .fit import FitRun, NoBar
 from .recovery import Placement, Recovery, StepLoss
@@ -142,6 +143,9 @@ class Trainer(StepGraph, Restoring):
         self._ref = weakref.ref(self)
         self._uid = uuid.uuid4().hex[:8]   # task keys of different trainers never collide
         self._cache: dict[Any, StepModel] = {}
+        #: where the newest steps' state values come from (`import_locally`): Future key
+        #: -> the program that exports it, for the next step's program on that worker
+        self._sources: dict[str, Source] = {}
 
     # --- state ------------------------------------------------------------------------
     def init(self, params: Any, *example_batch: Any) -> TrainState:
@@ -358,6 +362,8 @@ class Trainer(StepGraph, Restoring):
                            self._uid, state_identity(state), batch_token(batch),
                            program_homes("direct" if direct else "", targets))
         graph, out_keys, order = self._step_graph(model, state, batch, token, targets, direct)
+        if direct and self.client is not None:
+            self._chain(graph, [str(k) for k in out_keys[1:]])
         freeze_heap(self.client)
         outs = to_delayed(graph, out_keys)
         if self.client is None:
@@ -383,6 +389,21 @@ class Trainer(StepGraph, Restoring):
                                 lineage=lineage if self.client is not None else None,
                                 loss=loss)
         return self._last, loss
+
+    def _chain(self, graph: Any, state_keys: Sequence[str]) -> None:
+        """With direct dispatch: each program of this step reads the state values the
+        previous step's program on its worker exported straight from it (no scheduler
+        round trip between the two steps' programs: `import_locally`), and this step's new
+        state values are remembered for the next step. Dask config
+        ``dagdiff.direct.chain-steps: false`` keeps them Dask dependencies."""
+        if not dask.config.get("dagdiff.direct.chain-steps", True):
+            return
+        dsk = graph.layers[next(iter(graph.layers))].mapping
+        found = chain_step(dsk, self._sources, state_keys)
+        if found:
+            if len(self._sources) > 64 * max(1, len(found)):   # the newest few steps'
+                self._sources = dict(list(self._sources.items())[-32 * len(found):])
+            self._sources.update(found)
 
     def fit(self, batches: Iterable[Sequence[Any]], steps: int | None = None,
             progress: bool | None = None, state: TrainState | None = None,

@@ -26,12 +26,12 @@ bookkeeping. Here a step is a handful of Dask tasks per worker:
 from __future__ import annotations
 
 from ...errors import DirectDispatchError, UpstreamError
-from .graph import RESOURCE_SHARE, DirectGraph, next_base, rewrite
+from .graph import RESOURCE_SHARE, DirectGraph, Source, chain_step, next_base, rewrite
 from .plan import Consumers, PlannedAction, linearize, plan_programs
 from .program import Program
 from .runtime import EXTENSION, DirectRuntime, compute_log, install, run_program
 
 
 __all__ = ["DirectDispatchError", "UpstreamError", "RESOURCE_SHARE", "DirectGraph", "next_base",
-           "rewrite", "linearize", "plan_programs", "EXTENSION", "PlannedAction", "Consumers",
+           "rewrite", "Source", "chain_step", "linearize", "plan_programs", "EXTENSION", "PlannedAction", "Consumers",
            "DirectRuntime", "Program", "compute_log", "install", "run_program"]

@@ -12,12 +12,13 @@ from ..live import enabled as live_actions
 from ..tasks import leaves_read
 from ..taskspec import DataNode, Task, TaskRef
 from .plan import ProgramPlan, plan_programs
-from .results import Export, ProgramResult
+from .results import Export, LocalImport, ProgramResult
 from .program import Program
 from .runtime import _timeout, new_nonce, run_program
 
 
-__all__ = ["DirectGraph", "rewrite", "next_base", "RESOURCE_SHARE"]
+__all__ = ["DirectGraph", "rewrite", "next_base", "RESOURCE_SHARE", "chain_step",
+           "Source"]
 
 #: share of a slot resource one program holds: a program leaves the thread pool
 #: (``secede``) but keeps its resources, so whole units would block the worker's next
@@ -166,6 +167,61 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
     return DirectGraph(dsk, out_priority, placed, tuple(programs), base)
 
 
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """Where an output picked from a program's result comes from: the program's run
+    (`serial`, unique per submission of the step), the action it exports, and the
+    program's worker address."""
+
+    serial: str
+    export: str
+    address: str
+
+
+def chain_step(dsk: dict[str, Any], sources: Mapping[str, Source], keys: Collection[str]
+               ) -> dict[str, Source]:
+    """Rewrite `dsk` (a direct-dispatch step's tasks, about to be submitted) in place so
+    that each program reads the values of `sources` made on its own worker straight from
+    the earlier program's exports (`LocalImport`) instead of through a Dask dependency:
+    the scheduler sends the program at once, and it starts the moment the program of the
+    step before ends on its worker. Each value moved stays a Dask dependency of a task
+    that picks an export of the same program (same worker: nothing is transferred), so
+    it lives as long as the step and computing the step still computes the one before.
+    Every program gets a serial naming this submission (its exports are kept under it on
+    its worker). Returns the sources of `keys` (this step's values that are picked from
+    a program) for the next step."""
+    serials: dict[str, str] = {}
+    picks: dict[str, str] = {}
+    for k, t in dsk.items():
+        if isinstance(t, Task) and t.func is _pick and isinstance(t.args[0], TaskRef):
+            picks.setdefault(str(t.args[0].key), k)
+    for k, t in list(dsk.items()):
+        if not (isinstance(t, Task) and t.func is run_program):
+            continue
+        prog: Program = t.args[0]
+        serial = serials[k] = new_nonce()
+        args, moved = list(t.args[2:]), []
+        if k in picks:
+            for i, a in enumerate(args):
+                src = sources.get(str(a.key)) if isinstance(a, TaskRef) else None
+                if src is not None and src.address == prog.address:
+                    args[i] = LocalImport(str(a.key), src.serial, src.export)
+                    moved.append(a)
+        dsk[k] = Task(k, run_program, prog, t.args[1], *args, serial=serial)
+        if moved:
+            pick = dsk[picks[k]]
+            dsk[picks[k]] = Task(picks[k], _pick, *pick.args, *moved)
+    out: dict[str, Source] = {}
+    for k in keys:
+        t = dsk.get(k)
+        if not (isinstance(t, Task) and t.func is _pick and isinstance(t.args[0], TaskRef)):
+            continue
+        pk = str(t.args[0].key)
+        if pk in serials:
+            out[k] = Source(serials[pk], str(t.args[1]), dsk[pk].args[0].address)
+    return out
+
+
 def _leading(pp: ProgramPlan) -> int:
     """How many actions a planned program runs before the first that reads another
     worker's value."""
@@ -192,8 +248,9 @@ def _data_deps(t: Task) -> list[str]:
 # event loop, not in its thread pool (they only pick values, or average a few scalars),
 # so the ~9 of them per worker follow each other without a thread hand-off each.
 
-async def _pick(result: ProgramResult, key: str) -> Any:
-    """The value of action `key`, from its program's result."""
+async def _pick(result: ProgramResult, key: str, *keep: Any) -> Any:
+    """The value of action `key`, from its program's result (`keep`: values of the step
+    before that its programs took in place, `import_locally`: dependencies only)."""
     return result.value(key)
 
 

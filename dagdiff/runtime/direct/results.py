@@ -15,7 +15,7 @@ from typing import Any
 from ...errors import DirectDispatchError
 
 
-__all__ = ["ProgramResult", "Export", "register"]
+__all__ = ["ProgramResult", "Export", "LocalImport", "register"]
 
 
 class ProgramResult(dict):  # type: ignore[type-arg]
@@ -68,6 +68,30 @@ class Export:
 
     def __repr__(self) -> str:
         return f"Export({self.key!r})"
+
+
+class LocalImport:
+    """In a program task's arguments, in place of a Dask dependency: the value of Dask key
+    `key`, which an earlier program of this worker exports as `export` in its run
+    `serial` (a Trainer's new state, read by the next step's program on the same worker).
+    The program task then depends on nothing of the step before, so the scheduler sends
+    it at once and it starts the moment that program ends here, with no round trip
+    through the scheduler in between (`DirectRuntime.take_import`). Another task of the
+    step keeps `key` as a Dask dependency, so the value's lineage and lifetime stay
+    Dask's."""
+
+    __slots__ = ("key", "serial", "export")
+
+    def __init__(self, key: str, serial: str, export: str) -> None:
+        self.key = key
+        self.serial = serial
+        self.export = export
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (LocalImport, (self.key, self.serial, self.export))
+
+    def __repr__(self) -> str:
+        return f"LocalImport({self.key!r} from run {self.serial!r})"
 
 
 def _serialize(x: ProgramResult, context: dict[str, Any] | None = None

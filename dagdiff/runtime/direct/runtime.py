@@ -33,7 +33,7 @@ from ..internals import scheduler_delay
 from ..live import ActionReporter
 from .messages import Failure, Message
 from .program import Program
-from .results import ProgramResult
+from .results import LocalImport, ProgramResult
 from .run import ProgramRun
 from .transport import STATUS_OP, DecodeError, Transport
 
@@ -49,6 +49,11 @@ EXTENSION = "dagdiff"
 PEER_LOST_OP = "dagdiff_peer_lost"
 #: seconds a probe's connect may take (a worker that is slow to answer is asked again)
 PROBE_CONNECT_TIMEOUT = 3.0
+#: finished programs whose exports this worker keeps for the next step's program on it
+#: (`LocalImport`); an older one's values are read from the worker's memory instead
+EXPORTS_KEPT = 8
+#: seconds between looks at the worker's memory while a program waits for an import
+IMPORT_POLL = 0.05
 #: seconds values received for a run whose program never started here are kept (its
 #: step was cancelled before it ran here); at least twice the step's timeout
 STALE_AFTER = 3600.0
@@ -79,6 +84,11 @@ class DirectRuntime:
         self.held: dict[str, tuple[dict[str, Any], dict[str, list[Any]]]] = {}
         #: addresses of workers the scheduler removed (newest last, bounded)
         self.lost: collections.OrderedDict[str, float] = collections.OrderedDict()
+        #: run serial -> its exports (or its error) for the newest programs that ended
+        #: here, and the condition a program waiting for one of them (`take_import`) waits on
+        self._exports: collections.OrderedDict[str, dict[str, Any] | str] = \
+            collections.OrderedDict()
+        self._ended = threading.Condition(self._lock)
         worker.handlers[STATUS_OP] = self._status
         worker.handlers[PEER_LOST_OP] = self._peer_lost
         worker.extensions[EXTENSION] = self
@@ -162,9 +172,11 @@ class DirectRuntime:
         self.transport.close()
 
     # --- running a program ------------------------------------------------------------------
-    def run(self, prog: Program, nonce: str, static_values: tuple[Any, ...]) -> ProgramResult:
+    def run(self, prog: Program, nonce: str, static_values: tuple[Any, ...],
+            serial: str = "") -> ProgramResult:
         """Run `prog`'s actions in order; return the values ordinary tasks read (see
-        `run_program`)."""
+        `run_program`). `serial`: this submission's name, under which its exports (or
+        its error) are kept here a while for a later program's `LocalImport`."""
         if self.worker.address != prog.address:
             raise DirectDispatchError(
                 f"{prog.key}: the step was built for {prog.where}'s worker at {prog.address}, "
@@ -184,7 +196,61 @@ class DirectRuntime:
         st.peers_lost(lost)
         number = next(self._runs_counter)
         _secede()
-        statics = dict(zip(prog.statics, static_values))
+        kept: dict[str, Any] | str = "it was stopped"
+        try:
+            exports = self._execute(prog, run, st, number, static_values)
+            kept = exports
+        except BaseException as e:
+            kept = f"{type(e).__name__}: {e}"
+            raise
+        finally:
+            if serial:
+                with self._lock:
+                    self._exports[serial] = kept
+                    while len(self._exports) > EXPORTS_KEPT:
+                        self._exports.popitem(last=False)
+                    self._ended.notify_all()
+        return ProgramResult(prog.key, exports)
+
+    def take_import(self, prog: Program, st: ProgramRun, imp: LocalImport) -> Any:
+        """The value `imp` names: from the exports of its program's run once that ended
+        here, else from the worker's memory (an older run's value, picked by its output
+        task; or the same step submitted twice, where Dask ran the other submission).
+        Waits while neither has it; raises when that run failed, when this step is
+        cancelled, or after the step's timeout."""
+        deadline = time.monotonic() + prog.timeout
+        data = self.worker.data
+        with self._lock:
+            while True:
+                if imp.serial in self._exports:
+                    got = self._exports[imp.serial]
+                    if isinstance(got, str):
+                        raise DirectDispatchError(
+                            f"{prog.key} on {prog.where}: the step before, whose program "
+                            f"here makes this step's input {imp.key}, failed ({got[:500]}). "
+                            "Compute the step again from a state that exists (trainer.fit "
+                            "does).")
+                    if imp.export in got:
+                        return got[imp.export]
+                if imp.key in data:
+                    try:
+                        return data[imp.key]
+                    except KeyError:              # released meanwhile
+                        pass
+                if st.abort is not None:
+                    raise DirectDispatchError(f"{prog.key} on {prog.where}: {st.abort}")
+                if time.monotonic() >= deadline:
+                    raise DirectDispatchError(
+                        f"{prog.key} on {prog.where} waited {prog.timeout:g} s for its input "
+                        f"{imp.key}, which the step before makes on this worker: that step "
+                        "never ran here (it was released, or the worker was restarted). "
+                        "Compute the step again from a state that exists.")
+                self._ended.wait(IMPORT_POLL)
+
+    def _execute(self, prog: Program, run: str, st: ProgramRun, number: int,
+                 static_values: tuple[Any, ...]) -> dict[str, Any]:
+        statics = _Statics(zip(prog.statics, static_values),
+                           lambda imp: self.take_import(prog, st, imp))
         local: dict[str, list[Any]] = {}               # key -> [value, uses left]
         self.held[prog.key] = (statics, local)         # what `runtime.memory` counts
         live = ActionReporter(self.worker, prog.key) if prog.live else None
@@ -204,7 +270,7 @@ class DirectRuntime:
             self.held.pop(prog.key, None)
             self._running.pop(prog.key, None)
             self._finish(run, outcome)
-        return ProgramResult(prog.key, exports)
+        return exports
 
     def _probe(self, address: str, run: str) -> tuple[str, str]:
         """Ask the worker at `address` about `run` (from a program's thread): its state
@@ -286,7 +352,25 @@ def runtime() -> DirectRuntime:
     return install(get_worker())
 
 
-def run_program(prog: Program, nonce: str, /, *static_values: Any) -> ProgramResult:
+class _Statics(dict):  # type: ignore[type-arg]
+    """A program's inputs from outside it; a `LocalImport` among them is taken when an
+    action first reads it (inside the interpreter, so a failure reaches the other
+    programs of the run like any action's)."""
+
+    def __init__(self, items: Any, take: Any) -> None:
+        super().__init__(items)
+        self._take = take
+
+    def __getitem__(self, key: str) -> Any:
+        value = dict.__getitem__(self, key)
+        if isinstance(value, LocalImport):
+            value = self._take(value)
+            dict.__setitem__(self, key, value)
+        return value
+
+
+def run_program(prog: Program, nonce: str, /, *static_values: Any, serial: str = ""
+                ) -> ProgramResult:
     """A program task: run a worker's actions in order; return the values ordinary
     tasks read (a `ProgramResult`: a stub when sent to another worker).
 
@@ -296,7 +380,7 @@ def run_program(prog: Program, nonce: str, /, *static_values: Any) -> ProgramRes
     program; the consumers of its remaining actions on other workers get the error at
     once, and the task fails with it. A program returns only when every program of its
     run succeeded (the closing exchange)."""
-    return runtime().run(prog, nonce, static_values)
+    return runtime().run(prog, nonce, static_values, serial)
 
 
 def compute_log(keys: Any = None, dask_worker: Any = None) -> dict[str, Any]:
