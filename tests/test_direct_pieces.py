@@ -449,3 +449,57 @@ def socket_closed_port() -> Any:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     yield port
+
+
+# --- a step's state taken in place from the step before (LocalImport) -------------------
+
+class _FakeWorker:
+    def __init__(self) -> None:
+        self.handlers: dict[str, Any] = {}
+        self.extensions: dict[str, Any] = {}
+        self.data: dict[str, Any] = {}
+        self.address = "tcp://fake:1"
+
+
+def test_an_import_comes_from_the_run_that_made_it_else_from_memory_else_fails() -> None:
+    """`take_import`: the exports of the named run once it ended here; that run's error
+    (with its message) when it failed; the worker's memory for a run not kept here (the
+    other submission of a step submitted twice); a cancelled step or the step's timeout
+    stop the wait with the key named."""
+    import threading
+    from types import SimpleNamespace
+
+    from dagdiff.errors import DirectDispatchError
+    from dagdiff.runtime.direct.results import LocalImport
+
+    rt = rt_mod.DirectRuntime(_FakeWorker())
+    prog = SimpleNamespace(key="prog_slot0-n0-b", where="slot0", timeout=0.3)
+    st = SimpleNamespace(abort=None)
+    rt.keep_exports("s1", {"update_g0-a": 41})
+    rt.keep_exports("s2", "ValueError: fragile: input too large")
+    assert rt.take_import(prog, st, LocalImport("update_g0-A", "s1", "update_g0-a")) == 41
+    with pytest.raises(DirectDispatchError, match="fragile: input too large"):
+        rt.take_import(prog, st, LocalImport("update_g0-B", "s2", "update_g0-a"))
+    rt.worker.data["update_g0-C"] = 42                 # picked by its own output task
+    assert rt.take_import(prog, st, LocalImport("update_g0-C", "s3", "update_g0-a")) == 42
+
+    def later() -> None:                               # the run ends while the step waits
+        time.sleep(0.1)
+        rt.keep_exports("s4", {"update_g0-a": 43})
+
+    threading.Thread(target=later).start()
+    t0 = time.monotonic()
+    assert rt.take_import(prog, st, LocalImport("update_g0-D", "s4", "update_g0-a")) == 43
+    assert time.monotonic() - t0 < 0.25
+    with pytest.raises(DirectDispatchError, match="update_g0-E.*never ran here"):
+        rt.take_import(prog, st, LocalImport("update_g0-E", "s5", "update_g0-a"))
+    st.abort = "the step was cancelled"
+    with pytest.raises(DirectDispatchError, match="cancelled"):
+        rt.take_import(prog, st, LocalImport("update_g0-E", "s5", "update_g0-a"))
+    for i in range(rt_mod.EXPORTS_KEPT):               # the newest runs only
+        rt.keep_exports(f"x{i}", {"update_g0-a": i})
+    assert len(rt._exports) == rt_mod.EXPORTS_KEPT and "s1" not in rt._exports
+    rt.worker.data.clear()
+    with pytest.raises(DirectDispatchError, match="never ran here"):
+        rt.take_import(prog, SimpleNamespace(abort=None),
+                       LocalImport("update_g0-A", "s1", "update_g0-a"))

@@ -177,6 +177,30 @@ class DirectRuntime:
         """Run `prog`'s actions in order; return the values ordinary tasks read (see
         `run_program`). `serial`: this submission's name, under which its exports (or
         its error) are kept here a while for a later program's `LocalImport`."""
+        kept: dict[str, Any] | str = "it was stopped"
+        try:
+            exports = self._run(prog, nonce, static_values)
+            kept = exports
+        except BaseException as e:
+            kept = f"{type(e).__name__}: {e}"
+            raise
+        finally:
+            if serial:
+                self.keep_exports(serial, kept)
+        return ProgramResult(prog.key, exports)
+
+    def keep_exports(self, serial: str, kept: dict[str, Any] | str) -> None:
+        """Keep what run `serial` exported (or its error) for a later `LocalImport`, the
+        newest `EXPORTS_KEPT` runs only, and wake the programs waiting for one."""
+        with self._lock:
+            self._exports[serial] = kept
+            self._exports.move_to_end(serial)
+            while len(self._exports) > EXPORTS_KEPT:
+                self._exports.popitem(last=False)
+            self._ended.notify_all()
+
+    def _run(self, prog: Program, nonce: str, static_values: tuple[Any, ...]
+             ) -> dict[str, Any]:
         if self.worker.address != prog.address:
             raise DirectDispatchError(
                 f"{prog.key}: the step was built for {prog.where}'s worker at {prog.address}, "
@@ -196,21 +220,7 @@ class DirectRuntime:
         st.peers_lost(lost)
         number = next(self._runs_counter)
         _secede()
-        kept: dict[str, Any] | str = "it was stopped"
-        try:
-            exports = self._execute(prog, run, st, number, static_values)
-            kept = exports
-        except BaseException as e:
-            kept = f"{type(e).__name__}: {e}"
-            raise
-        finally:
-            if serial:
-                with self._lock:
-                    self._exports[serial] = kept
-                    while len(self._exports) > EXPORTS_KEPT:
-                        self._exports.popitem(last=False)
-                    self._ended.notify_all()
-        return ProgramResult(prog.key, exports)
+        return self._execute(prog, run, st, number, static_values)
 
     def take_import(self, prog: Program, st: ProgramRun, imp: LocalImport) -> Any:
         """The value `imp` names: from the exports of its program's run once that ended
