@@ -51,7 +51,7 @@ PEER_LOST_OP = "dagdiff_peer_lost"
 PROBE_CONNECT_TIMEOUT = 3.0
 #: finished programs whose exports this worker keeps for the next step's program on it
 #: (`LocalImport`); an older one's values are read from the worker's memory instead
-EXPORTS_KEPT = 8
+EXPORTS_KEPT = 2
 #: seconds between looks at the worker's memory while a program waits for an import
 IMPORT_POLL = 0.05
 #: seconds values received for a run whose program never started here are kept (its
