@@ -19,7 +19,9 @@ bookkeeping. Here a step is a handful of Dask tasks per worker:
 * `runtime`: the worker extension that routes messages to runs by run id, runs programs
   and answers other workers' and the scheduler's calls (a run's status, a lost peer);
 * `results`: what a program task returns (the values the outputs read in place; an empty
-  stub when sent to another worker, whose outputs wait on it for order alone);
+  stub when sent to another worker, whose outputs wait on it for order alone), and
+  `LocalImport`, a Trainer step's state taken from the previous step's program on the same
+  worker (`graph.chain_step`) instead of through a Dask dependency;
 * `transport` + `messages`: ordered typed messages between workers over
   `distributed.comm` (the cluster's TLS, comm backend and serializers apply).
 """
