@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Mapping, Sequence
 
+import dask
 from dask.highlevelgraph import HighLevelGraph
 
 from ..cluster.targets import Targets
@@ -21,10 +22,12 @@ from ..lowering import template as templates
 from ..lowering.graph import assemble, assemble_direct
 from ..lowering.memory import check_memory
 from ..lowering.pipeline import PipelineGraph, lower_pipeline
+from ..runtime.direct import Source, chain_step
 from .options import Options
 
 
-__all__ = ["StepTasks", "Binding", "lower_replicas", "compile_step", "replace_stages"]
+__all__ = ["StepTasks", "Binding", "lower_replicas", "compile_step", "replace_stages",
+           "chain_steps", "Source"]
 
 
 @dataclass(frozen=True)
@@ -140,3 +143,14 @@ def compile_step(token: str, targets: Targets, direct: bool, binding: Binding | 
         if tpl is not None:
             templates.store(binding.key, tpl)
     return graph, tasks.keys
+
+
+def chain_steps(graph: HighLevelGraph, sources: Mapping[str, Source], keys: Sequence[str]
+                ) -> dict[str, Source]:
+    """A direct-dispatch step's graph (one layer, about to be submitted) with each program
+    reading the values of `sources` its worker's earlier program made straight from that
+    program (`dagdiff.runtime.direct.graph.chain_step`); the sources of this step's `keys`
+    for the next step. Dask config ``dagdiff.direct.chain-steps: false``: unchanged, {}."""
+    if not dask.config.get("dagdiff.direct.chain-steps", True):
+        return {}
+    return chain_step(graph.layers[next(iter(graph.layers))].mapping, sources, keys)

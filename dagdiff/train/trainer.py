@@ -29,6 +29,8 @@ import optax
 
 from ..build import (
     Options,
+    Source,
+    chain_steps,
     freeze_heap,
     program_homes,
     resolve_dispatch,
@@ -46,7 +48,6 @@ from ..cluster.targets import Targets, resolve_targets
 from ..core.forms import ModelForm, lower_args
 from ..core.tracer import home_stages
 from ..errors import ArgumentError, MicrobatchError, PlacementError, TrainerError
-from ..runtime.direct import Source, chain_step
 from ..extras import available, require
 from .fit import FitRun, NoBar
 from .recovery import Placement, Recovery, StepLoss
@@ -396,10 +397,7 @@ class Trainer(StepGraph, Restoring):
         round trip between the two steps' programs: `import_locally`), and this step's new
         state values are remembered for the next step. Dask config
         ``dagdiff.direct.chain-steps: false`` keeps them Dask dependencies."""
-        if not dask.config.get("dagdiff.direct.chain-steps", True):
-            return
-        dsk = graph.layers[next(iter(graph.layers))].mapping
-        found = chain_step(dsk, self._sources, state_keys)
+        found = chain_steps(graph, self._sources, state_keys)
         if found:
             if len(self._sources) > 64 * max(1, len(found)):   # the newest few steps'
                 self._sources = dict(list(self._sources.items())[-32 * len(found):])

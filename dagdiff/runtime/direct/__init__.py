@@ -35,5 +35,6 @@ from .runtime import EXTENSION, DirectRuntime, compute_log, install, run_program
 
 
 __all__ = ["DirectDispatchError", "UpstreamError", "RESOURCE_SHARE", "DirectGraph", "next_base",
-           "rewrite", "Source", "chain_step", "linearize", "plan_programs", "EXTENSION", "PlannedAction", "Consumers",
+           "rewrite", "Source", "chain_step", "linearize", "plan_programs", "EXTENSION",
+           "PlannedAction", "Consumers",
            "DirectRuntime", "Program", "compute_log", "install", "run_program"]

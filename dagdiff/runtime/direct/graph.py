@@ -250,7 +250,7 @@ def _data_deps(t: Task) -> list[str]:
 
 async def _pick(result: ProgramResult, key: str, *keep: Any) -> Any:
     """The value of action `key`, from its program's result (`keep`: values of the step
-    before that its programs took in place, `import_locally`: dependencies only)."""
+    before that its programs took in place, `chain_step`: dependencies only)."""
     return result.value(key)
 
 
