@@ -60,6 +60,9 @@ __all__ = ["Trainer", "TrainState"]
 
 log = logging.getLogger(__name__)
 
+#: state values whose source program a Trainer remembers for the next step (`_chain`)
+SOURCES_KEPT = 256
+
 
 class Trainer(StepGraph, Restoring):
     """Train `loss_fn(params, *batch)` with an optax optimizer on a Dask cluster.
@@ -394,14 +397,12 @@ class Trainer(StepGraph, Restoring):
     def _chain(self, graph: Any, state_keys: Sequence[str]) -> None:
         """With direct dispatch: each program of this step reads the state values the
         previous step's program on its worker exported straight from it (no scheduler
-        round trip between the two steps' programs: `import_locally`), and this step's new
-        state values are remembered for the next step. Dask config
-        ``dagdiff.direct.chain-steps: false`` keeps them Dask dependencies."""
-        found = chain_steps(graph, self._sources, state_keys)
-        if found:
-            if len(self._sources) > 64 * max(1, len(found)):   # the newest few steps'
-                self._sources = dict(list(self._sources.items())[-32 * len(found):])
-            self._sources.update(found)
+        round trip between the two steps' programs: `chain_steps`), and this step's new
+        state values are remembered for the next step (the newest `SOURCES_KEPT`). Dask
+        config ``dagdiff.direct.chain-steps: false`` keeps them Dask dependencies."""
+        self._sources.update(chain_steps(graph, self._sources, state_keys))
+        while len(self._sources) > SOURCES_KEPT:
+            del self._sources[next(iter(self._sources))]
 
     def fit(self, batches: Iterable[Sequence[Any]], steps: int | None = None,
             progress: bool | None = None, state: TrainState | None = None,

@@ -230,32 +230,31 @@ class DirectRuntime:
         cancelled, or after the step's timeout."""
         deadline = time.monotonic() + prog.timeout
         data = self.worker.data
-        with self._lock:
-            while True:
-                if imp.serial in self._exports:
-                    got = self._exports[imp.serial]
-                    if isinstance(got, str):
-                        raise DirectDispatchError(
-                            f"{prog.key} on {prog.where}: the step before, whose program "
-                            f"here makes this step's input {imp.key}, failed ({got[:500]}). "
-                            "Compute the step again from a state that exists (trainer.fit "
-                            "does).")
-                    if imp.export in got:
-                        return got[imp.export]
-                if imp.key in data:
-                    try:
-                        return data[imp.key]
-                    except KeyError:              # released meanwhile
-                        pass
-                if st.abort is not None:
-                    raise DirectDispatchError(f"{prog.key} on {prog.where}: {st.abort}")
-                if time.monotonic() >= deadline:
-                    raise DirectDispatchError(
-                        f"{prog.key} on {prog.where} waited {prog.timeout:g} s for its input "
-                        f"{imp.key}, which the step before makes on this worker: that step "
-                        "never ran here (it was released, or the worker was restarted). "
-                        "Compute the step again from a state that exists.")
-                self._ended.wait(IMPORT_POLL)
+        while True:
+            with self._lock:
+                got = self._exports.get(imp.serial)
+            if isinstance(got, str):
+                raise DirectDispatchError(
+                    f"{prog.key} on {prog.where}: the step before, whose program here makes "
+                    f"this step's input {imp.key}, failed ({got[:500]}). Compute the step "
+                    "again from a state that exists (trainer.fit does).")
+            if got is not None and imp.export in got:
+                return got[imp.export]
+            try:                                  # outside the lock: it may read a spill
+                return data[imp.key]
+            except KeyError:
+                pass
+            if st.abort is not None:
+                raise DirectDispatchError(f"{prog.key} on {prog.where}: {st.abort}")
+            if time.monotonic() >= deadline:
+                raise DirectDispatchError(
+                    f"{prog.key} on {prog.where} waited {prog.timeout:g} s for its input "
+                    f"{imp.key}, which the step before makes on this worker: that step never "
+                    "ran here (it was released, or the worker was restarted). Compute the "
+                    "step again from a state that exists.")
+            with self._lock:
+                if self._exports.get(imp.serial) is got:     # nothing new since the look
+                    self._ended.wait(IMPORT_POLL)
 
     def _execute(self, prog: Program, run: str, st: ProgramRun, number: int,
                  static_values: tuple[Any, ...]) -> dict[str, Any]:
