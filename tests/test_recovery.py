@@ -543,3 +543,46 @@ def test_scale_down_and_up_mid_fit_moves_stages_and_back() -> None:
     finally:
         client.close()
         cluster.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_that_joins_mid_fit_takes_a_stage_from_a_later_step() -> None:
+    """A fit started on one worker (both stages there) spreads out when a second worker
+    joins: stage 1 runs on the new slot from a later step, `trainer.placements` says so,
+    and the parameters and losses equal plain JAX + optax's."""
+    from distributed import Client
+
+    cluster = dd.local_cluster(n_workers=1, dashboard_address=None, quiet=True)
+    client = Client(cluster, set_as_default=False)
+    try:
+        params, batches = make_data(40)
+        opt = optax.adam(1e-2)
+        want = jax_reference(opt, params, batches)
+        trainer = dd.Trainer(loss_fn, opt, microbatches=4, schedule="1f1b", client=client)
+        state, _ = trainer.fit(batches[:1], params=params, progress=False)
+        slot = dd.cluster.info.slot_names(client)
+        assert {slot[a] for a in state.where.values()} == {"slot0"}, state.where
+
+        def grow() -> None:
+            time.sleep(0.5)
+            cluster.scale(2)
+
+        thread = threading.Thread(target=grow, daemon=True)
+        thread.start()
+        state, losses = trainer.fit(batches[1:], state=state, progress=False)
+        thread.join(90)
+        client.wait_for_workers(2, timeout=120)
+        # one more step: the worker is used even when it joined after the fit's last
+        state, more = trainer.fit(batches[-1:], state=state, progress=False)
+        joined = [p for p in trainer.placements if p.joined]
+        assert joined and joined[0].joined == ((1, "slot0", "slot1"),), trainer.placements
+        assert not joined[0].moved
+        slot = dd.cluster.info.slot_names(client)
+        assert [slot[state.where[(0, g)]] for g in (0, 1)] == ["slot0", "slot1"], state.where
+        close(trainer.params(state), jax_reference(opt, params, [*batches, batches[-1]]))
+        np.testing.assert_allclose(more, [float(loss_fn(jax_reference(opt, params, batches),
+                                                         *batches[-1]))], rtol=1e-5)
+        assert np.isfinite(losses).all()
+    finally:
+        client.close()
+        cluster.close()

@@ -44,11 +44,14 @@ class Recovery:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where stages ran from `step` on, when that changed: (stage, own slot, live slot it
-    runs on) for each stage away from its own slot (empty: every stage is back)."""
+    """Where stages ran from `step` on, when that changed: `moved`, (stage, own slot, live
+    slot it runs on) for each stage away from its own slot (empty: every stage is back);
+    `joined`, (stage, slot it ran on, slot it runs on now) for each stage that spread
+    out to a worker that joined the cluster (a slot it had never seen)."""
 
     step: int
     moved: tuple[tuple[int, str, str], ...]
+    joined: tuple[tuple[int, str, str], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -135,6 +135,7 @@ class Trainer(StepGraph, Restoring):
         #: moved to a live worker after its own was lost, or back on its own slot
         self.placements: list[Placement] = []
         self._moved: dict[int, tuple[str, str]] = {}
+        self._own: dict[int, str] = {}            # stage -> its own slot, as last placed
         self.microbatches = microbatches
         self.schedule = self.options.schedule
         self.replicas = replicas
@@ -312,9 +313,17 @@ class Trainer(StepGraph, Restoring):
 
     def _note_moves(self, step: int, targets: Targets) -> None:
         """Log (and keep in `placements`) each change of where stages run: a stage moved
-        to a live worker after its own was lost, or back once its replacement joined."""
+        to a live worker after its own was lost, back once its replacement joined, or
+        out to a worker that joined the cluster (a slot never seen before: the stages
+        spread over more workers)."""
         now = dict(targets.moved)
-        if now == self._moved:
+        own = {s: now[s][0] if s in now else t for s, t in targets.of.items()
+               if isinstance(t, str)} if targets.slots else {}
+        joined = {s: (self._own[s], t) for s, t in own.items()
+                  if s in self._own and self._own[s] != t}
+        if own:
+            self._own = own
+        if now == self._moved and not joined:
             return
         away = {s: v for s, v in now.items() if self._moved.get(s) != v}
         back = sorted(s for s in self._moved if s not in now)
@@ -326,8 +335,13 @@ class Trainer(StepGraph, Restoring):
         if back:
             log.warning("dagdiff: from step %d, stage(s) %s run on their own slot again",
                         step, ", ".join(map(str, back)))
-        self.placements.append(Placement(step, tuple(
-            (s, own, to) for s, (own, to) in sorted(now.items()))))
+        if joined:
+            log.warning("dagdiff: from step %d, %s (a worker joined)", step,
+                        "; ".join(f"stage {s} runs on {to} instead of {was}"
+                                  for s, (was, to) in sorted(joined.items())))
+        self.placements.append(Placement(
+            step, tuple((s, own, to) for s, (own, to) in sorted(now.items())),
+            tuple((s, was, to) for s, (was, to) in sorted(joined.items()))))
 
     # --- one step -----------------------------------------------------------------------
     def step(self, state: TrainState, *batch: Any) -> tuple[TrainState, Any]:
