@@ -45,6 +45,7 @@ def killer(client: Any, kills: int, every: float, seed: int, out: list[float],
             continue
         os.kill(pid, signal.SIGKILL)
         out.append(time.time())
+        print(f"  killed {slots[addr]} ({addr})", flush=True)
 
 
 def main() -> None:
@@ -53,11 +54,12 @@ def main() -> None:
     ap.add_argument("--kills", type=int, default=5)
     ap.add_argument("--every", type=float, default=1.5, help="mean seconds between kills")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
     a = ap.parse_args()
     cluster = dd.local_cluster(n_workers=4, dashboard_address=None, quiet=True)
     client = Client(cluster, set_as_default=False)
     params, batches = make_data(a.steps)
-    for replicas in (1, 2):
+    for replicas in a.replicas:
         opt = optax.sgd(0.05)
         ref = dd.Trainer(loss_fn, opt, microbatches=4, schedule="1f1b", replicas=replicas,
                          client=client)
@@ -81,7 +83,7 @@ def main() -> None:
             stop.set()
             th.join()
             print(f"replicas={replicas}: LostStateError after {len(kills)} kills "
-                  f"({len(tr.recoveries)} recoveries before it): {str(e)[:200]}", flush=True)
+                  f"({len(tr.recoveries)} recoveries before it): {e}", flush=True)
             client.wait_for_workers(4, timeout=120)
             continue
         hit = time.perf_counter() - t0

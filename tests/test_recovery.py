@@ -586,3 +586,50 @@ def test_a_worker_that_joins_mid_fit_takes_a_stage_from_a_later_step() -> None:
     finally:
         client.close()
         cluster.close()
+
+
+@pytest.mark.timeout(300)
+def test_the_last_live_worker_lost_costs_a_scatter_of_the_clients_copy() -> None:
+    """A cluster down to one of its two workers (scaled away: no replacement) keeps the
+    state's copy on the client (`ClientCopy`), so SIGKILLing the last worker too loses
+    nothing: once its replacement runs, the fit goes on from the client's copy and ends
+    with plain JAX + optax's parameters."""
+    from distributed import Client
+
+    from dagdiff.train.recovery import ClientCopy
+
+    cluster = dd.local_cluster(n_workers=2, dashboard_address=None, quiet=True)
+    client = Client(cluster, set_as_default=False)
+    try:
+        params, batches = make_data(24)
+        opt = optax.adam(1e-2)
+        trainer = dd.Trainer(loss_fn, opt, microbatches=4, schedule="1f1b", client=client,
+                             copy_every=1, copy_interval=0.0)
+        state, _ = trainer.fit(batches[:8], params=params, progress=False)
+        assert not any(isinstance(v, ClientCopy) for v in (state.backup or {}).values())
+        cluster.scale(1)                         # slot1 goes for good
+        deadline = time.time() + 60
+        while len(client.scheduler_info()["workers"]) > 1 and time.time() < deadline:
+            time.sleep(0.05)
+        dd.cluster.info.forget_workers(client)   # (the membership news may still be on
+        state, _ = trainer.fit(batches[8:16], state=state, progress=False)   # its way)
+        copies = list((state.backup or {}).values())
+        assert copies and all(isinstance(c, ClientCopy) for c in copies), \
+            (state.backup, trainer.recoveries, trainer.placements)
+        deadline = time.time() + 30
+        while any(c.status == "pending" for c in copies) and time.time() < deadline:
+            time.sleep(0.05)
+        assert all(c.status == "finished" for c in copies), copies
+        (addr,) = client.scheduler_info()["workers"]
+        os.kill(client.run(os.getpid, workers=[addr])[addr], signal.SIGKILL)
+        deadline = time.time() + 60                # the state's only worker is gone
+        while addr in client.scheduler_info()["workers"] and time.time() < deadline:
+            time.sleep(0.05)
+        state, losses = trainer.fit(batches[16:], state=state, progress=False)
+        assert any("client" in src for r in trainer.recoveries for *_, src in r.restored), \
+            trainer.recoveries
+        close(trainer.params(state), jax_reference(opt, params, batches))
+        assert len(losses) == 8
+    finally:
+        client.close()
+        cluster.close()

@@ -3,12 +3,14 @@ a lost worker from a failing model, and how to put a state back together after a
 
 A Trainer state's values live on their stage's worker. With data-parallel replicas the
 other replicas hold identical values; without, each step sends a copy of every stage's
-new state to another worker (`copy_task`, off the step's critical path). When a worker is
-lost, the values it held are restored from a replica or that copy (`restore`), and the
+new state to another worker (`copy_task`, off the step's critical path); while only one
+worker of a larger cluster lives (the others restarting), the copy is fetched to the client
+instead (`ClientCopy`). When a worker is lost, the values it held are restored from a replica or that copy (`restore`), and the
 step runs again from there: same inputs, same result, no update applied twice.
 """
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Mapping
@@ -19,7 +21,8 @@ from ..cluster.info import lost_workers, may_be_a_lost_worker, on_worker_removed
 from ..errors import DirectDispatchError, LostStateError, WorkerLostError
 
 
-__all__ = ["Recovery", "Placement", "Lineage", "StepLoss", "copy_task", "lost_values", "restore"]
+__all__ = ["Recovery", "Placement", "Lineage", "StepLoss", "ClientCopy", "copy_task",
+           "lost_values", "restore"]
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,37 @@ def _fail_steps_on(client: Any, address: str) -> Any:
 on_worker_removed(_fail_steps_on)
 
 
+class ClientCopy:
+    """A copy of a state value fetched to the client in the background, when no second
+    live worker can hold one (every other worker of the cluster is lost or restarting):
+    a loss of the last worker then costs a scatter of it, not the state. Its `status`
+    reads like a Future's ("pending" until the value is here, "finished", or "error"
+    when the fetch failed, e.g. the worker was lost first)."""
+
+    def __init__(self, future: Any) -> None:
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self._here = threading.Event()
+        future.add_done_callback(self._fetch)   # run in a thread of the client's
+
+    def _fetch(self, future: Any) -> None:
+        try:
+            self.value = future.result()
+        except BaseException as e:            # noqa: BLE001 - a copy that did not land
+            self.error = e
+        finally:
+            self._here.set()
+
+    @property
+    def status(self) -> str:
+        if not self._here.is_set():
+            return "pending"
+        return "finished" if self.error is None else "error"
+
+    def __repr__(self) -> str:
+        return f"<ClientCopy: {self.status}>"
+
+
 def copy_task(value: Any) -> Any:
     """A copy of `value` on the worker this task runs on (Dask moves the value there)."""
     return value
@@ -170,8 +204,9 @@ def restore(client: Any, placed: Mapping[tuple[int, int], Any],
             rescatter: Callable[[int, int], Any] | None = None
             ) -> tuple[dict[tuple[int, int], Any], tuple[tuple[int, int, str], ...]]:
     """Replace every lost value of `placed` by an identical one still held somewhere: the
-    same group of another replica, else its copy in `backup`, else (the initial state)
-    `rescatter(replica, group)`, a new Future of the client's copy. Returns the new mapping and
+    same group of another replica, else its copy in `backup`, else `rescatter(replica,
+    group)`, a new Future of the client's copy (the initial state, or a `ClientCopy`;
+    None where the client has none). Returns the new mapping and
     (replica, group, source) per replaced entry; raises `LostStateError` naming what is
     lost and how to resume when neither exists. (The next step reads a replaced value
     from wherever it is: Dask moves it to the stage's worker.)"""
@@ -191,12 +226,13 @@ def restore(client: Any, placed: Mapping[tuple[int, int], Any],
             done.append((r, g, f"replica {other}"))
             continue
         copy = (backup or {}).get((r, g))
-        if copy is not None and copy.key in alive_backup:
+        if hasattr(copy, "key") and copy.key in alive_backup:
             new[(r, g)] = copy
             done.append((r, g, "copy"))
             continue
-        if rescatter is not None:
-            new[(r, g)] = rescatter(r, g)
+        fresh = rescatter(r, g) if rescatter is not None else None
+        if fresh is not None:
+            new[(r, g)] = fresh
             done.append((r, g, "client"))
             continue
         stage = group_stage[g] + r * p

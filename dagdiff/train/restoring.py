@@ -16,11 +16,12 @@ from ..cluster.info import (
     check_open,
     forget_workers,
     lost_workers,
+    seen_slots,
 )
 from ..cluster.targets import Targets
 from ..core.keys import make_key
 from ..errors import ArgumentError, LostStateError, TrainerError
-from .recovery import Lineage, Recovery, copy_task, lost_values, restore
+from .recovery import ClientCopy, Lineage, Recovery, copy_task, lost_values, restore
 from .state import TrainState, state_identity
 from .step_graph import StepModel, stage_address
 
@@ -227,7 +228,8 @@ class Restoring:
                 held: Mapping[str, Collection[str]] | None = None
                 ) -> dict[tuple[int, int], Any]:
         """A copy of each value of `placed` on another worker, sent after the step's
-        update, off its critical path; none on a one-worker cluster. The copy goes where
+        update, off its critical path; none on a one-worker cluster; fetched to the client
+        (`ClientCopy`) where one worker of a larger cluster is left. The copy goes where
         a lost stage would be re-placed (`cluster.targets`): the first worker after its
         stage's (slots in order) that runs no stage of the step, else the least busy one,
         so that receiving megabytes does not slow a stage's hops and a recovery finds
@@ -242,10 +244,17 @@ class Restoring:
             for g in range(len(model.groups)):
                 w = targets.target(model.group_stage[g] + r * model.p)
                 load[w] = load.get(w, 0) + 1
-        out = {}
+        # one live worker of a cluster that had more (the others lost or restarting):
+        # the client fetches the copy, so losing that worker too loses nothing
+        to_client = (len(ring) == 1 and targets.slots
+                     and len(seen_slots(self.client)) > 1)
+        out: dict[tuple[int, int], Any] = {}
         for (r, g), fut in placed.items():
             stage = model.group_stage[g] + r * model.p
             home = targets.target(stage)
+            if to_client and hasattr(fut, "add_done_callback"):
+                out[(r, g)] = ClientCopy(fut)
+                continue
             if home not in ring or len(ring) < 2:
                 continue
             i = ring.index(home)
@@ -311,13 +320,19 @@ class Restoring:
         copies = {rg: v for rg, v in kept.items() if hasattr(v, "key")}
         targets = self._targets(model)
 
-        def rescatter(r: int, g: int) -> Any:     # the initial state: the client has it
-            return self._scatter(kept[(r, g)],
+        def rescatter(r: int, g: int) -> Any:     # the client has it: scatter it again
+            value = kept.get((r, g))
+            if isinstance(value, ClientCopy):
+                if value.status != "finished":
+                    return None                   # its fetch did not land
+                value = value.value
+            elif value is None or hasattr(value, "key"):
+                return None
+            return self._scatter(value,
                                  stage_address(targets, model.group_stage[g] + r * model.p))
 
-        concrete = bool(kept) and not copies
         placed, done = restore(self.client, state.placed, copies, model.group_stage, model.p,
-                               state.where, rescatter if concrete else None)
+                               state.where, rescatter)
         if done:
             log.warning("dagdiff: Trainer restored %s of step %d after a lost worker",
                         ", ".join(f"replica {r} group {g} from {src}" for r, g, src in done),
@@ -343,7 +358,7 @@ class Restoring:
         replica's on a different worker, or a copy step's."""
         backup, where = state.backup or {}, state.where or {}
         for r, g in state.placed or {}:
-            if hasattr(backup.get((r, g)), "key"):
+            if hasattr(backup.get((r, g)), "key") or isinstance(backup.get((r, g)), ClientCopy):
                 continue
             if not any(where.get((r2, g2)) not in (None, where.get((r, g)))
                        for r2, g2 in where if g2 == g and r2 != r):
