@@ -221,6 +221,30 @@ def test_memory_model_by_hand() -> None:
     assert g0.bytes == 5000 + 15_000 + 2000
 
 
+def test_values_from_other_workers_count_from_their_arrival() -> None:
+    """1F1B, 2 workers, 4 microbatches, 1000 bytes kept per live microbatch, a 100-byte
+    activation into stage 1 and a 50-byte cotangent back into stage 0. Run with F = 1,
+    B = 2: worker 0 ends F0 F1 B0 F2 B1 F3 B2 B3 at 1 2 6 7 9 10 12 15, worker 1 ends
+    F0 B0 F1 B1 F2 B2 F3 B3 at 2 4 5 7 8 10 11 13. Worker 1 holds F1's activation (sent
+    at 2) while it runs F0 and B0; worker 0 holds B1's cotangent (sent at 7) through F2,
+    and each backward's own cotangent while it runs."""
+    sched = get_schedule("1f1b")
+    params, kept = {0: 0, 1: 0}, {0: 1000, 1: 1000}
+    late = memory_peaks(sched, 2, 4, params, kept, received={1: 100}, incoming={0: 50})
+    assert [(pk.bytes, pk.at) for pk in late] == [(2000, "F1 s0"), (1000, "F0 s1")]
+    w0, w1 = memory_peaks(sched, 2, 4, params, kept, received={1: 100}, incoming={0: 50},
+                          arrivals=True)
+    assert (w0.bytes, w0.at) == (2050, "B0 s0")      # two live + B0's cotangent
+    assert (w1.bytes, w1.at) == (1100, "F0 s1")      # F0's microbatch + F1's activation
+    # GPipe: worker 1's F1, F2, F3 inputs arrive as its F0, F1, F2 end (1100, 2100,
+    # 3100): its peak is F3's 4 live microbatches; worker 0 ends B0 at 9 as worker 1
+    # ends B1: B0 holds its own cotangent and B1's
+    g0, g1 = memory_peaks(get_schedule("gpipe"), 2, 4, params, kept, received={1: 100},
+                          incoming={0: 50}, arrivals=True)
+    assert (g1.bytes, g1.at) == (4000, "F3 s1")
+    assert (g0.bytes, g0.at) == (4100, "B0 s0")
+
+
 # ------------------------------------------------------------------ measured on a cluster
 
 def test_record_measures_a_known_buffer() -> None:

@@ -51,7 +51,8 @@ def step_memory(footprints: Mapping[int, StageFootprint], schedule: Schedule, p:
     carried = {g: None if (c := f.fused_stash_by(policy_of(remat, g))) is None else c * scale
                for g, f in footprints.items()}
     return memory_peaks(schedule, p, m, params, kept, fused, stash, inside_calls, whole, recv,
-                        back, carried)
+                        back, carried, incoming={g - 1: b for g, b in back.items()},
+                        arrivals=True)
 
 
 def check_memory(trace: Trace, schedule: Schedule, m: int, remat: RematPolicy,

@@ -195,7 +195,8 @@ def _memory(prof: Profile, sched: Schedule, p: int, m: int, remat: dict[int, str
     carried = {s.stage: None if (c := s.fused_stash_by(remat.get(s.stage, "none"))) is None
                else c * scale for s in prof.stages}
     return memory_peaks(sched, p, m, params, kept, fused, stash, inside_calls, whole, recv,
-                        back, carried)
+                        back, carried, incoming={g - 1: b for g, b in back.items()},
+                        arrivals=True)
 
 
 def _hosts(prof: Profile, p: int) -> list[Any] | None:

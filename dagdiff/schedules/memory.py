@@ -22,13 +22,22 @@ parameters and the batch they read; then, per action, in order:
 
 The peak is the largest total at any of these points: where each task has its result
 and its inputs are still held.
+
+With ``arrivals``, values sent from other workers count from when they arrive, not from
+when their action takes them: an activation for a later F (``received[g]``) or a
+cotangent for a later backward (``incoming[g]``) whose sender has ended by the time an
+action ends is held beside it (a worker busy with microbatch i already holds i + 1's
+input). When senders end comes from the schedule run with F = 1, B = 2, I = W = 1
+(`simulate`); a backward also holds its incoming cotangent while it runs.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Collection, Mapping
 
 from .base import Schedule
+from .simulate import simulate
 
 
 __all__ = ["MemoryPeak", "memory_peaks", "back_to_back"]
@@ -52,7 +61,9 @@ def memory_peaks(schedule: Schedule, p: int, m: int, params: Mapping[int, float]
                  held_whole: Mapping[int, float] | None = None,
                  received: Mapping[int, float] | None = None,
                  returned: Mapping[int, float] | None = None,
-                 fused_stash: Mapping[int, float | None] | None = None) -> list[MemoryPeak]:
+                 fused_stash: Mapping[int, float | None] | None = None,
+                 incoming: Mapping[int, float] | None = None,
+                 arrivals: bool = False) -> list[MemoryPeak]:
     """Per worker of `schedule` on `p` workers with `m` microbatches: its `MemoryPeak`.
     `params[g]` / `kept[g]`: bytes of stage g's parameters and of what one live
     microbatch keeps (`dagdiff.core.footprint`); `fused`: (stage, microbatch) pairs
@@ -66,8 +77,11 @@ def memory_peaks(schedule: Schedule, p: int, m: int, params: Mapping[int, float]
     residuals): the peak as samples between tasks see it, where no allocator reports
     its own peak (CPU). `held_whole[g]`: bytes stage g holds for the whole step (its
     batch inputs); `received[g]`: the part of `kept[g]` that a microbatch brought from
-    other stages, which a fused forward holds until its backward task has run."""
+    other stages, which a fused forward holds until its backward task has run;
+    `incoming[g]`: the cotangents a backward of stage g receives from stage g + 1;
+    `arrivals`: count values from other workers from their arrival (module docstring)."""
     layout = schedule.checked_layout(p)
+    early = _early(schedule, p, m, received or {}, incoming or {}) if arrivals else None
     held_whole = held_whole or {}
     received = received or {}
     returned = returned or {}
@@ -75,6 +89,8 @@ def memory_peaks(schedule: Schedule, p: int, m: int, params: Mapping[int, float]
     fused_stash = fused_stash or {}
     split = schedule.split_backward
     out = []
+    worker_of = {g: w for w, stages in enumerate(layout) for g in stages}
+    incoming = incoming or {}
     for w, order in enumerate(schedule.table(p, m)):
         held = float(sum(params.get(g, 0) + held_whole.get(g, 0) for g in layout[w]))
         summed: set[int] = set()        # stages whose accumulator exists
@@ -83,11 +99,15 @@ def memory_peaks(schedule: Schedule, p: int, m: int, params: Mapping[int, float]
 
         def note(total: float, label: str) -> None:
             nonlocal best
+            total += extra
             if total > best.bytes:
                 best = MemoryPeak(int(round(total)), live, label, int(round(acts)))
 
-        for a in order:
+        for j, a in enumerate(order):
             g = layout[w][a.chunk]
+            extra = early[w][j] if early is not None else 0.0
+            if arrivals and a.kind in "BI" and worker_of.get(g + 1, w) != w:
+                extra += float(incoming.get(g, 0))   # its input, held while it runs
             label = f"{a.kind}{a.microbatch} s{g}"
             pg, kg, sg = (float(params.get(g, 0)), float(kept.get(g, 0)),
                           float(stash.get(g, 0)))
@@ -135,6 +155,49 @@ def memory_peaks(schedule: Schedule, p: int, m: int, params: Mapping[int, float]
                 else:
                     summed.add(g)                   # the first sum is the gradients
         out.append(best)
+    return out
+
+
+def _early(schedule: Schedule, p: int, m: int, received: Mapping[int, float],
+           incoming: Mapping[int, float]) -> list[list[float]]:
+    """Per worker, per action in its order: the bytes sent by other workers that have
+    arrived by the action's end but that a later action of the worker takes (an
+    activation for an F, a cotangent for a B or I), by the schedule's run with F = 1,
+    B = 2, I = W = 1."""
+    layout = schedule.checked_layout(p)
+    table = schedule.table(p, m)
+    worker_of = {g: w for w, stages in enumerate(layout) for g in stages}
+    spans = simulate(schedule, p, m).spans
+    ends: dict[tuple[int, int, str], float] = {}
+    for w, order in enumerate(table):
+        for a, (_, _, end) in zip(order, spans[w]):
+            ends[(layout[w][a.chunk], a.microbatch, a.kind)] = end
+    back = "I" if schedule.split_backward else "B"
+    out = []
+    for w, order in enumerate(table):
+        finish = [end for _, _, end in spans[w]]
+        diff = [0.0] * (len(order) + 1)
+        for j, a in enumerate(order):
+            g = layout[w][a.chunk]
+            if a.kind == "F" and g > 0 and worker_of[g - 1] != w:
+                sent, size = ends.get((g - 1, a.microbatch, "F")), received.get(g, 0)
+            elif a.kind in "BI" and worker_of.get(g + 1, w) != w:
+                sent = ends.get((g + 1, a.microbatch, back))
+                sent = sent if sent is not None else ends.get((g + 1, a.microbatch, "B"))
+                size = incoming.get(g, 0)
+            else:
+                continue
+            if sent is None or not size:
+                continue
+            k = bisect.bisect_left(finish, sent)   # the first of its actions ending after
+            if k < j:
+                diff[k] += float(size)
+                diff[j] -= float(size)
+        run, held = 0.0, []
+        for j in range(len(order)):
+            run += diff[j]
+            held.append(run)
+        out.append(held)
     return out
 
 
