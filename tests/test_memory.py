@@ -224,25 +224,24 @@ def test_memory_model_by_hand() -> None:
 def test_values_from_other_workers_count_from_their_arrival() -> None:
     """1F1B, 2 workers, 4 microbatches, 1000 bytes kept per live microbatch, a 100-byte
     activation into stage 1 and a 50-byte cotangent back into stage 0. Run with F = 1,
-    B = 2: worker 0 ends F0 F1 B0 F2 B1 F3 B2 B3 at 1 2 6 7 9 10 12 15, worker 1 ends
-    F0 B0 F1 B1 F2 B2 F3 B3 at 2 4 5 7 8 10 11 13. Worker 1 holds F1's activation (sent
-    at 2) while it runs F0 and B0; worker 0 holds B1's cotangent (sent at 7) through F2,
-    and each backward's own cotangent while it runs."""
+    B = 2 and hops of 1: worker 0 ends F0 F1 B0 F2 B1 F3 B2 B3 at 1 2 8 9 11 12 16 19,
+    worker 1 ends F0 B0 F1 B1 F2 B2 F3 B3 at 3 5 6 8 11 13 14 16; a value arrives 1
+    after its sender ends."""
     sched = get_schedule("1f1b")
     params, kept = {0: 0, 1: 0}, {0: 1000, 1: 1000}
     late = memory_peaks(sched, 2, 4, params, kept, received={1: 100}, incoming={0: 50})
     assert [(pk.bytes, pk.at) for pk in late] == [(2000, "F1 s0"), (1000, "F0 s1")]
     w0, w1 = memory_peaks(sched, 2, 4, params, kept, received={1: 100}, incoming={0: 50},
                           arrivals=True)
-    assert (w0.bytes, w0.at) == (2050, "B0 s0")      # two live + B0's cotangent
-    assert (w1.bytes, w1.at) == (1100, "F0 s1")      # F0's microbatch + F1's activation
-    # GPipe: worker 1's F1, F2, F3 inputs arrive as its F0, F1, F2 end (1100, 2100,
-    # 3100): its peak is F3's 4 live microbatches; worker 0 ends B0 at 9 as worker 1
-    # ends B1: B0 holds its own cotangent and B1's
+    # B1's cotangent (sent at 8) is there at 9, as F2 ends: two live microbatches + it
+    assert (w0.bytes, w0.at) == (2050, "F2 s0")
+    # F1's activation (sent at 2) is there at 3, as F0 ends: held through F0 and B0
+    assert (w1.bytes, w1.at) == (1100, "F0 s1")
+    # GPipe: worker 1 holds the next F's input at the end of each F (1100, 2100, 3100,
+    # then F3's 4000); worker 0's B0 ends at 11 as B1's cotangent comes
     g0, g1 = memory_peaks(get_schedule("gpipe"), 2, 4, params, kept, received={1: 100},
                           incoming={0: 50}, arrivals=True)
-    assert (g1.bytes, g1.at) == (4000, "F3 s1")
-    assert (g0.bytes, g0.at) == (4100, "B0 s0")
+    assert [(g0.bytes, g0.at), (g1.bytes, g1.at)] == [(4050, "B0 s0"), (4000, "F3 s1")]
 
 
 # ------------------------------------------------------------------ measured on a cluster
@@ -296,6 +295,27 @@ def test_measured_peaks_match_the_prediction_and_remat_lowers_them(client2: Any)
     assert measured[("gpipe", "full")]["slot0"] < measured[("gpipe", "selective")]["slot0"] \
         < measured[("gpipe", "none")]["slot0"]
     assert measured[("1f1b", "none")]["slot0"] < measured[("gpipe", "none")]["slot0"]
+
+
+@pytest.mark.slow
+def test_step_peaks_tell_the_recorded_steps_apart(client2: Any) -> None:
+    """Two 1F1B steps recorded in one block, the second on a batch 4x as large: each
+    worker's peak during the second step is above its peak during the first, and
+    neither is above the block's peak."""
+    loss = staged(2, 4)
+    small, large = mlp(128, 64, 4), mlp(128, 256, 4)
+    step = dd.value_and_grad(loss, microbatches=4, schedule="1f1b")
+    step.compute(*small, client=client2)
+    step.compute(*large, client=client2)               # compile both
+    with dd.record(client2) as rec:
+        step.compute(*small, client=client2)
+        got_l, got_g = step.compute(*large, client=client2)
+    M.assert_matches_jax(loss, large, got_l, got_g)
+    first, second = rec.step_peaks()
+    assert set(first) == set(second) == set(rec.peak_memory())
+    for w in first:
+        assert second[w] > first[w], (w, first, second)
+        assert max(first[w], second[w]) <= rec.peak_memory()[w]
 
 
 def test_accumulation_follows_the_schedules_backward_order() -> None:

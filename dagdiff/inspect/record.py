@@ -26,6 +26,8 @@ PHASE_COLORS = {
     "other": "#E0E0E0",
 }
 _BUSY = {"F", "B", "I", "W"}
+#: seconds a memory sample may come after the stop of the task that took it
+_SAMPLE_SLACK = 0.005
 
 
 class TaskRecord(NamedTuple):
@@ -73,6 +75,35 @@ class Recording:
         device buffers + the NumPy arrays Dask and the programs hold), as sampled at
         each layer task; see `dagdiff.runtime.memory` for what is counted."""
         return {w: max(s.total for s in ss) for w, ss in self.memory.items() if ss}
+
+    def step_peaks(self) -> list[dict[str, int]]:
+        """Per recorded step, in the order the steps started: each worker's most bytes
+        while that step's tasks ran there (a step's tasks are told apart by the step
+        token their keys end with). Steps in flight together share the samples of their
+        overlap; `peak_memory` is the peak over all of them."""
+        spans: dict[str, dict[str, list[float]]] = {}
+        first: dict[str, float] = {}
+        local = "local" in self.memory
+        for t in self.tasks:
+            if t.phase in ("transfer", "other"):
+                continue
+            token = str(t.key).rsplit("-", 1)[-1]
+            w = "local" if local else t.worker
+            span = spans.setdefault(token, {}).setdefault(w, [t.start, t.stop])
+            span[0], span[1] = min(span[0], t.start), max(span[1], t.stop)
+            first[token] = min(first.get(token, t.start), t.start)
+        out = []
+        for token in sorted(spans, key=first.__getitem__):
+            peaks = {}
+            for w, (start, stop) in spans[token].items():
+                # a task's sample is taken as it has its result, just after its stop
+                held = [s.total for s in self.memory.get(w, ())
+                        if start <= s.time <= stop + _SAMPLE_SLACK]
+                if held:
+                    peaks[w] = max(held)
+            if peaks:
+                out.append(peaks)
+        return out
 
     def memory_table(self) -> str:
         """Each worker's held bytes before the first task and at its peak, as text."""
