@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from distributed import Client
@@ -411,7 +412,7 @@ def test_a_step_over_the_workers_memory_limit_is_refused_at_build() -> None:
         assert "stage 0" in text and "MiB" in text and "memory_limit of 24.00 MiB" in text
         assert any(w in text for w in client.scheduler_info()["workers"])
         assert "remat=" in text
-        # the Trainer's step checks the same (its gradient part: a lower bound)
+        # the Trainer's step checks the same, with its optimizer state
         trainer = dd.Trainer(loss, optax.sgd(0.1), microbatches=8, schedule="gpipe",
                              client=client)
         with pytest.raises(dd.MemoryLimitError, match="stage 0"):
@@ -420,6 +421,18 @@ def test_a_step_over_the_workers_memory_limit_is_refused_at_build() -> None:
         got_l, got_g = dd.value_and_grad(loss, microbatches=8, schedule="gpipe",
                                          remat="full").compute(*args)
         M.assert_matches_jax(loss, args, got_l, got_g)
+        # a Trainer's optimizer state counts: one 1024-wide layer per stage (4 MiB) needs
+        # ~17 MiB with sgd (no state) and ~25 MiB with adam's two moments (8 MiB more)
+        big = staged(2, 2)
+        wide = mlp(1024, 64, 2)
+        sgd = dd.Trainer(big, optax.sgd(0.1), microbatches=8, schedule="gpipe",
+                         client=client)
+        _, loss_sgd = sgd.step(sgd.init(wide[0]), *wide[1:])
+        np.testing.assert_allclose(loss_sgd.result(), big(*wide), rtol=1e-5)
+        adam = dd.Trainer(big, optax.adam(0.1), microbatches=8, schedule="gpipe",
+                          client=client)
+        with pytest.raises(dd.MemoryLimitError, match=r"8\.0\d MiB optimizer state"):
+            adam.step(adam.init(wide[0]), *wide[1:])
     finally:
         client.close()
         cluster.close()

@@ -84,18 +84,21 @@ def lower_replicas(model: Any, options: Options, targets: Targets, client: Any,
                    inputs: Callable[[int], Mapping[int, Any]],
                    home: Mapping[int, int | None], aux: Any = None,
                    devices: Mapping[int | None, int | None] | None = None,
+                   held: Mapping[int, float] | None = None,
                    ) -> tuple[dict[str, Any], dict[str, int | None], dict[str, int],
                               list[PipelineGraph]]:
     """Replica r (`tokens[r]`) of the pipelined `model` on stages ``r*p ... r*p + p-1``,
     reading `batch(r)` (node -> its full value for this replica) and `inputs(r)` (node ->
     a resident (Future, leaf)); every replica's tasks in one dict. A step that cannot fit
-    a worker's memory limit is refused first (`MemoryLimitError`)."""
+    a worker's memory limit is refused first (`MemoryLimitError`; `held[g]`: what stage
+    g holds beside the step, e.g. a Trainer's optimizer state)."""
     trace = model.trace
     if client is not None and options.schedule is not None and targets.on_workers:
         lstage = trace.nodes[model.loss.node].stage
         for r in range(len(tokens)):
             check_memory(trace, options.schedule, options.microbatches, options.remat,
-                         lstage, {g: targets.address(g + r * p) for g in range(p)}, client)
+                         lstage, {g: targets.address(g + r * p) for g in range(p)}, client,
+                         held)
     dsk: dict[str, Any] = {}
     stage_of: dict[str, int | None] = {}
     priority: dict[str, int] = {}

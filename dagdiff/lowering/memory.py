@@ -37,15 +37,18 @@ def loss_fused(trace: Trace, schedule: Schedule, m: int, loss_stage: int | None
 
 def step_memory(footprints: Mapping[int, StageFootprint], schedule: Schedule, p: int, m: int,
                 remat: RematPolicy = "none", fused: set[tuple[int, int]] = frozenset(),
-                scale: float = 1.0, inside_calls: bool = True) -> list[MemoryPeak]:
+                scale: float = 1.0, inside_calls: bool = True,
+                held: Mapping[int, float] | None = None) -> list[MemoryPeak]:
     """Per worker: the predicted `MemoryPeak` of one step of `schedule` on `p` workers
     with `m` microbatches, each stage under its policy in `remat`; `scale` multiplies
     what a microbatch keeps (a profile measured at another microbatch size);
-    `inside_calls`: see `memory_peaks`."""
+    `inside_calls`: see `memory_peaks`; `held[g]`: more bytes stage g holds for the
+    whole step (a Trainer's optimizer state)."""
     params = {g: f.params for g, f in footprints.items()}
     kept = {g: f.kept_by(policy_of(remat, g)) * scale for g, f in footprints.items()}
     stash = {g: f.stash_by(policy_of(remat, g)) * scale for g, f in footprints.items()}
-    whole = {g: f.inputs * m * scale for g, f in footprints.items()}
+    whole = {g: f.inputs * m * scale + (held or {}).get(g, 0)
+             for g, f in footprints.items()}
     recv = {g: f.received * scale for g, f in footprints.items()}
     back = {g: f.returned * scale for g, f in footprints.items()}
     carried = {g: None if (c := f.fused_stash_by(policy_of(remat, g))) is None else c * scale
@@ -57,18 +60,20 @@ def step_memory(footprints: Mapping[int, StageFootprint], schedule: Schedule, p:
 
 def check_memory(trace: Trace, schedule: Schedule, m: int, remat: RematPolicy,
                  loss_stage: int | None, address_of: Mapping[int, str | None],
-                 client: Any) -> list[MemoryPeak]:
+                 client: Any, held: Mapping[int, float] | None = None) -> list[MemoryPeak]:
     """Refuse a pipeline step whose predicted peak on a worker exceeds that worker's Dask
     ``memory_limit`` (`MemoryLimitError`, naming the stage, the worker and the bytes),
     before any task runs; the per-worker predictions otherwise. Workers without a
-    limit are not checked."""
+    limit are not checked. `held[g]`: what stage g holds beside the step's own values
+    for the whole step (a Trainer's optimizer state)."""
     v = schedule.virtual_stages
     n = trace.num_stages
     if not n or n % v:
         return []
     p = n // v
     fps = stage_footprints(trace, policies=_used(remat, n))
-    peaks = step_memory(fps, schedule, p, m, remat, loss_fused(trace, schedule, m, loss_stage))
+    peaks = step_memory(fps, schedule, p, m, remat, loss_fused(trace, schedule, m, loss_stage),
+                        held=held)
     info = workers_info(client, cached=True) if client is not None else {}
     layout = schedule.checked_layout(p)
     for w, peak in enumerate(peaks):
@@ -77,6 +82,8 @@ def check_memory(trace: Trace, schedule: Schedule, m: int, remat: RematPolicy,
         limit = int((info.get(addr) or {}).get("memory_limit") or 0) if addr else 0
         if limit and peak.bytes > limit:
             what = ", ".join(f"stage {g}: {format_bytes(fps[g].params)} parameters, "
+                             + (f"{format_bytes((held or {}).get(g, 0))} optimizer state, "
+                                if (held or {}).get(g) else "") +
                              f"{format_bytes(fps[g].kept_by(policy_of(remat, g)))} per live "
                              f"microbatch" for g in stages if g in fps)
             raise MemoryLimitError(

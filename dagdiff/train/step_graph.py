@@ -7,6 +7,7 @@ from typing import Any, Mapping, Sequence
 
 import dask
 import jax
+import numpy as np
 
 from ..build import (
     Binding,
@@ -104,7 +105,7 @@ class StepGraph:
             pdsk, pstage, priority, parts = lower_replicas(
                 model.model, self.options, targets, self.client, tokens, p=p,
                 batch=lambda r: {n: values[(r, n)] for n in model.batch_nodes},
-                inputs=resident, home=model.home)
+                inputs=resident, home=model.home, held=self._opt_bytes(model))
             dsk.update(pdsk)
             stage_of.update(pstage)
             summed = tree_allreduce(dsk, stage_of, [pg.grad_keys for pg in parts],
@@ -133,6 +134,23 @@ class StepGraph:
 
         graph, keys = compile_step(token, targets, direct, binding, lowered)
         return graph, keys, order
+
+    def _opt_bytes(self, model: "StepModel") -> dict[int, float]:
+        """Per stage: the bytes of its groups' optimizer state (held for the whole step,
+        beside what the memory model counts; from the optimizer's init on the groups'
+        abstract parameters)."""
+        out: dict[int, float] = {}
+        for g, group in enumerate(model.groups):
+            avals = [jax.ShapeDtypeStruct(np.shape(self._template[i]), self._template[i].dtype)
+                     for i in group]
+            try:
+                opt = jax.eval_shape(self.optimizer.init, avals)
+            except Exception:                     # noqa: BLE001 - only an estimate
+                continue
+            size = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+                       for a in jax.tree_util.tree_leaves(opt) if hasattr(a, "shape"))
+            out[model.group_stage[g]] = out.get(model.group_stage[g], 0) + size
+        return out
 
     def _batch_leaves(self, model: "StepModel", batch: Sequence[Any]) -> list[Any]:
         args = (None, *batch)
