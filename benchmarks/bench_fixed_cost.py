@@ -13,12 +13,19 @@ steps of:
 Then the ratio templates / lowering of each, and the client's time in the cyclic garbage
 collector per step. A real job's compute adds to the wait only.
 
+--floor: instead, Dask's own cost of a step's graph: in alternating rounds on the same
+cluster, dagdiff's `value_and_grad` step and `Trainer.step` (sgd) against plain Dask graphs
+of the same shape whose tasks do nothing (a nonce task, one "program" task per worker after
+it, then 8 gradient outputs + the loss, each waiting for both programs; for the Trainer,
+the loss + one pick per stage, the programs also reading the previous step's picks), pinned
+to the same workers: what any design that submits a step as this Dask graph pays here.
+
 --scale P:M [P:M ...]: instead, per (p, m), on an in-process cluster of p workers with
 zero-time sleep stages (`dagdiff.examples.simulated`, so this measures building and dispatch
 only): the first build (trace + lower + rewrite), its run, and a later step's build from
 the template (new batch), with their ratio; each build's time per p * m.
 Usage: python benchmarks/bench_fixed_cost.py [--width 64] [--batch 64] [--layers 4]
-       [--microbatches 8] [--steps 20] [--rounds 3] [--scale 4:16 16:64 64:256]
+       [--microbatches 8] [--steps 20] [--rounds 3] [--scale 4:16 16:64 64:256] [--floor]
 """
 from __future__ import annotations
 
@@ -92,6 +99,74 @@ def trainer_steps(client: Any, cfg: argparse.Namespace, params: Any, batches: li
     return {"trainer.step": statistics.median(times), "fit": min(fits)}
 
 
+def _noop(*args: Any) -> int:
+    return 0
+
+
+def floor_steps(client: Any, n: int, outputs: int) -> dict[str, float]:
+    """Median seconds of `n` plain Dask steps shaped like dagdiff's (see --floor)."""
+    from dask import delayed
+
+    from dagdiff.cluster.info import slot_names
+
+    by_slot = {v: k for k, v in slot_names(client).items()}
+    w0, w1 = by_slot["slot0"], by_slot["slot1"]
+    tag = time.monotonic_ns()
+
+    def on(addr: str, key: str, *deps: Any) -> Any:
+        with dask.annotate(workers=[addr], allow_other_workers=False):
+            return delayed(_noop, pure=False)(*deps, dask_key_name=f"{key}-{tag}")
+
+    vg, tr = [], []
+    picks: list[Any] = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        nonce = on(w0, f"run-{i}")
+        progs = [on(w, f"prog{j}-{i}", nonce) for j, w in enumerate((w0, w1))]
+        outs = [on((w0, w1)[j % 2], f"out{j}-{i}", *progs) for j in range(outputs + 1)]
+        client.gather(client.compute(outs))
+        vg.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        nonce = on(w0, f"trun-{i}")
+        progs = [on(w, f"tprog{j}-{i}", nonce, *picks[j:j + 1])
+                 for j, w in enumerate((w0, w1))]
+        loss = on(w1, f"tloss-{i}", *progs)
+        futures = client.compute([loss, *(on(w, f"pick{j}-{i}", progs[j])
+                                           for j, w in enumerate((w0, w1)))])
+        futures[0].result()
+        picks = futures[1:]
+        tr.append(time.perf_counter() - t0)
+    return {"floor value_and_grad": statistics.median(vg),
+            "floor trainer.step": statistics.median(tr)}
+
+
+def floor(client: Any, cfg: argparse.Namespace) -> None:
+    params, batches = mlp_data(cfg.width, cfg.batch, cfg.layers, batches=4)
+    step = dd.value_and_grad(two_stage_loss, microbatches=cfg.microbatches, schedule="1f1b")
+    value_and_grad_parts(client, step, params, batches, 3)              # compile, warm up
+    outputs = len(jax.tree_util.tree_leaves(params))
+    floor_steps(client, 3, outputs)
+    rows: dict[str, list[float]] = {}
+    for r in range(cfg.rounds):
+        got = {"value_and_grad": value_and_grad_parts(client, step, params, batches,
+                                                      cfg.steps)["step"]}
+        got.update(floor_steps(client, cfg.steps, outputs))
+        got["trainer.step"] = trainer_steps(client, cfg, params, batches, cfg.steps)[
+            "trainer.step"]
+        for k, v in got.items():
+            rows.setdefault(k, []).append(v)
+        print(f"round {r + 1}: " + ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in got.items()),
+              flush=True)
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    print(f"
+{cfg.layers} layers x {cfg.width}, batch {cfg.batch}, 2 stages, 1F1B x "
+          f"{cfg.microbatches}; median of {cfg.steps} steps, median of {cfg.rounds} rounds")
+    for what in ("value_and_grad", "trainer.step"):
+        a, b = med[what], med[f"floor {what}"]
+        print(f"{what:16s} dagdiff {1e3 * a:6.1f} ms, its graph's Dask floor {1e3 * b:6.1f} ms "
+              f"({b / a:.0%} of the step), dagdiff's own part {1e3 * (a - b):6.1f} ms")
+
+
 def scale(pairs: list[str]) -> None:
     import jax.numpy as jnp
     from distributed import Client
@@ -132,6 +207,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     job_args(ap, width=64, batch=64, layers=4, microbatches=8, steps=20, rounds=3)
     ap.add_argument("--scale", nargs="+", default=None, metavar="P:M")
+    ap.add_argument("--floor", action="store_true")
     cfg = ap.parse_args()
     if cfg.scale:
         scale(cfg.scale)
@@ -140,6 +216,11 @@ def main() -> None:
 
     cluster = dd.local_cluster(n_workers=2, dashboard_address=None, quiet=True)
     client = Client(cluster)
+    if cfg.floor:
+        floor(client, cfg)
+        client.close()
+        cluster.close()
+        return
     params, batches = mlp_data(cfg.width, cfg.batch, cfg.layers, batches=4)
     step = dd.value_and_grad(two_stage_loss, microbatches=cfg.microbatches, schedule="1f1b")
     with dask.config.set({"dagdiff.step-templates": False}):
