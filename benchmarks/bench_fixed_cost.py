@@ -158,8 +158,7 @@ def floor(client: Any, cfg: argparse.Namespace) -> None:
         print(f"round {r + 1}: " + ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in got.items()),
               flush=True)
     med = {k: statistics.median(v) for k, v in rows.items()}
-    print(f"
-{cfg.layers} layers x {cfg.width}, batch {cfg.batch}, 2 stages, 1F1B x "
+    print(f"\n{cfg.layers} layers x {cfg.width}, batch {cfg.batch}, 2 stages, 1F1B x "
           f"{cfg.microbatches}; median of {cfg.steps} steps, median of {cfg.rounds} rounds")
     for what in ("value_and_grad", "trainer.step"):
         a, b = med[what], med[f"floor {what}"]
