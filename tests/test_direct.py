@@ -485,3 +485,62 @@ def test_a_trainer_step_takes_the_state_of_the_step_before_in_place(
     np.testing.assert_allclose(losses, [want[0], want[1], want[1], want[2], want[3]],
                                rtol=1e-5)
     close(tr.params(state3), p)
+
+
+@pytest.mark.distributed
+def test_fit_in_windows_runs_k_steps_as_one_task_per_worker(client2: Any,
+                                                            monkeypatch: Any) -> None:
+    """`trainer.fit(batches, window=3)`: 7 steps submitted as windows of 3, 3 and 1; a
+    window's graph has one program task per worker (running its 3 steps' programs), one
+    nonce, one loss output and the last step's state; each step's loss and the final
+    parameters equal plain JAX + optax (and window=1's), and the state fit returns steps
+    on as usual."""
+    import optax
+
+    import dagdiff.train.window as window_module
+    from dagdiff.runtime.direct.runtime import run_programs
+
+    graphs = []
+
+    def to_delayed(graph: Any, keys: Any) -> Any:
+        graphs.append(dict(graph))
+        return window_module.to_delayed.__wrapped__(graph, keys)
+
+    to_delayed.__wrapped__ = window_module.to_delayed         # type: ignore[attr-defined]
+    monkeypatch.setattr(window_module, "to_delayed", to_delayed)
+
+    def loss_fn(params: Any, x: Any, t: Any) -> Any:
+        with dd.stage(0):
+            h = _linear(params[0], x)
+        with dd.stage(1):
+            return _mse(_linear(params[1], h), t)
+
+    key = jax.random.PRNGKey(1)
+    params = [jax.random.normal(key, (8, 8)) * 0.3, jax.random.normal(key, (8, 8)) * 0.2]
+    batches = [(jax.random.normal(jax.random.fold_in(key, i), (8, 8)),
+                jax.random.normal(jax.random.fold_in(key, 50 + i), (8, 8))) for i in range(8)]
+    opt = optax.adam(1e-2)
+    tr = dd.Trainer(loss_fn, opt, microbatches=2, schedule="1f1b", client=client2)
+    state, losses = tr.fit(batches[:7], params=params, progress=False, window=3)
+    assert len(graphs) == 2                       # the two full windows; the last step alone
+    for g in graphs:
+        tasks = [t for t in g.values() if hasattr(t, "func")]
+        windows = [t for t in tasks if t.func is run_programs]
+        assert len(windows) == 2 and all(t.args[1] == 3 for t in windows)
+        assert not any(t.func is run_program for t in tasks)
+        assert len(tasks) == 2 + 1 + 1 + 2        # windows, nonce, losses, state picks
+    state, more = tr.fit(batches[7:], state=state, progress=False, window=3)
+    p, s = params, opt.init(params)
+    want = []
+    for x, t in batches:
+        loss, g = jax.value_and_grad(loss_fn)(p, x, t)
+        u, s = opt.update(g, s, p)
+        p = optax.apply_updates(p, u)
+        want.append(float(loss))
+    np.testing.assert_allclose(losses + more, want, rtol=1e-5)
+    close(tr.params(state), p)
+    one = dd.Trainer(loss_fn, opt, microbatches=2, schedule="1f1b", client=client2)
+    _, losses1 = one.fit(batches, params=params, progress=False)
+    np.testing.assert_allclose(losses + more, losses1, rtol=1e-6)
+    with pytest.raises(dd.ArgumentError, match="window"):
+        tr.fit(batches, state=state, progress=False, window=0)

@@ -463,19 +463,24 @@ def _kill_plan(client: Any, plan: list[tuple[float, str]], started: threading.Ev
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("cluster_client,replicas,plan", [
+@pytest.mark.parametrize("cluster_client,replicas,plan,window", [
     # one replica: the stage's worker, then the survivor it moved to, then another
-    (4, 1, [(0.6, "slot1"), (1.8, "slot2"), (3.2, "slot3")]),
+    (4, 1, [(0.6, "slot1"), (1.8, "slot2"), (3.2, "slot3")], 1),
     # two replicas: both replicas of stage 1 (slot1 and slot3) 1.2 s apart, inside what
     # was the wait for slot1's replacement, then stage 0's worker
-    (4, 2, [(0.6, "slot1"), (1.8, "slot3"), (3.2, "slot0")]),
-], indirect=["cluster_client"], ids=["replicas1", "replicas2"])
+    (4, 2, [(0.6, "slot1"), (1.8, "slot3"), (3.2, "slot0")], 1),
+    # one replica, steps submitted 4 at a time: a kill fails a whole window
+    (4, 1, [(0.6, "slot1"), (1.8, "slot2"), (3.2, "slot3")], 4),
+], indirect=["cluster_client"], ids=["replicas1", "replicas2", "window4"])
 def test_kills_every_second_are_recovered_on_the_live_workers(
-        cluster_client: Any, replicas: int, plan: list[tuple[float, str]]) -> None:
+        cluster_client: Any, replicas: int, plan: list[tuple[float, str]], window: int
+        ) -> None:
     """Workers SIGKILLed every 1.2-1.4 s during a 60-step fit, without waiting for their
     replacements: each lost stage runs on a survivor at once (`Recovery.moved`), a state
     restored after a loss is copied again before a second loss can take it, and the fit
-    ends with the undisturbed run's parameters and losses; the cluster is whole after."""
+    ends with the undisturbed run's parameters and losses; the cluster is whole after
+    (also with `fit(window=4)`: a window that lost a worker runs again from the state
+    before it)."""
     client = cluster_client
     params, batches = make_data(60)
     opt = optax.sgd(0.05)
@@ -490,7 +495,8 @@ def test_kills_every_second_are_recovered_on_the_live_workers(
     started, killed = threading.Event(), []
     thread = _kill_plan(client, plan, started, killed)
     started.set()
-    state, losses = trainer.fit(batches, state=trainer.init(params), progress=False)
+    state, losses = trainer.fit(batches, state=trainer.init(params), progress=False,
+                                window=window)
     thread.join(60)
     close(trainer.params(state), want)
     np.testing.assert_allclose(losses, losses0, rtol=1e-5)

@@ -45,8 +45,8 @@ from ..runtime.plugins import ensure_colocation
 from ..runtime.shippable import check_shippable
 from .heap import freeze_heap, without_gc
 from .options import DISPATCH_MODES, LOWERING_SETTINGS, Options
-from .step import (Binding, Source, StepTasks, chain_steps, compile_step, lower_replicas,
-                   replace_stages)
+from .step import (Binding, Source, StepTasks, WindowError, chain_steps, compile_step,
+                   lower_replicas, replace_stages, window_graph)
 
 
 __all__ = [
@@ -55,7 +55,7 @@ __all__ = [
     "resolve_dispatch", "step_token", "program_homes", "DISPATCH_MODES", "LOWERING_SETTINGS",
     # the pipelined core the Trainer extends (`step`), and the collector policy (`heap`)
     "Binding", "StepTasks", "compile_step", "lower_replicas", "replace_stages",
-    "chain_steps", "Source", "without_gc", "freeze_heap",
+    "chain_steps", "Source", "window_graph", "WindowError", "without_gc", "freeze_heap",
     # what the Trainer needs from the layers below, through this package
     "OutKey", "to_delayed", "stage_workers", "pinned", "templates",
 ]

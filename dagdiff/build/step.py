@@ -19,15 +19,15 @@ from dask.highlevelgraph import HighLevelGraph
 from ..cluster.targets import Targets
 from ..core.tracer import Trace
 from ..lowering import template as templates
-from ..lowering.graph import assemble, assemble_direct
+from ..lowering.graph import assemble, assemble_direct, direct_layer
 from ..lowering.memory import check_memory
 from ..lowering.pipeline import PipelineGraph, lower_pipeline
-from ..runtime.direct import Source, chain_step
+from ..runtime.direct.graph import Source, WindowError, chain_step, merge_window
 from .options import Options
 
 
 __all__ = ["StepTasks", "Binding", "lower_replicas", "compile_step", "replace_stages",
-           "chain_steps", "Source"]
+           "chain_steps", "Source", "window_graph", "WindowError"]
 
 
 @dataclass(frozen=True)
@@ -157,3 +157,28 @@ def chain_steps(graph: HighLevelGraph, sources: Mapping[str, Source], keys: Sequ
     if not dask.config.get("dagdiff.direct.chain-steps", True):
         return {}
     return chain_step(graph.layers[next(iter(graph.layers))].mapping, sources, keys)
+
+
+def window_graph(graphs: Sequence[HighLevelGraph], loss_keys: Sequence[str],
+                 state_keys: Sequence[Sequence[str]]) -> HighLevelGraph:
+    """k chained direct-dispatch steps' graphs (`chain_steps` each, in order) as one
+    graph to submit at once: per worker one task for its k programs, one nonce, the k
+    losses as one output (under `loss_keys[-1]`), the last step's state under its own
+    keys (`dagdiff.runtime.direct.graph.merge_window`). Raises `WindowError` for steps
+    that cannot share a window (submit them one by one)."""
+    layers = [g.layers[next(iter(g.layers))] for g in graphs]
+    dsks = [dict(layer.mapping) for layer in layers]
+    new, takes = merge_window(dsks, list(loss_keys), [list(k) for k in state_keys])
+    priority: dict[str, int] = {}
+    where: dict[str, str] = {}
+    slots = "resources" in layers[0].annotations
+    for key, old in takes.items():
+        layer = next(layer for layer, dsk in zip(layers, dsks) if old in dsk)
+        p = layer.annotations["priority"](old)
+        if p is not None:
+            priority[key] = p
+        spot = layer.annotations["resources" if slots else "workers"](old)
+        if spot:
+            where[key] = next(iter(spot))
+    return direct_layer(f"dagdiff-window-{str(loss_keys[-1]).rsplit('-', 1)[-1]}", new,
+                        priority, where, slots)

@@ -1,4 +1,5 @@
-"""`Trainer.fit`: a run of steps with two in flight, recovery from lost workers, Ctrl-C."""
+"""`Trainer.fit`: a run of steps with two (windows of them) in flight, recovery from lost
+workers, Ctrl-C."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,6 +17,7 @@ from ..cluster.info import (
 from ..errors import ArgumentError, LostStateError, TrainerError, WorkerLostError
 from .recovery import Recovery
 from .state import TrainState
+from .window import submit_window
 
 if TYPE_CHECKING:
     from .trainer import Trainer
@@ -61,9 +63,12 @@ class FitRun:
     failed step again at once on the live workers, from the newest state it can restore)
     or on Ctrl-C (keep the finished steps)."""
 
-    def __init__(self, trainer: "Trainer", state: TrainState, bar: Any) -> None:
+    def __init__(self, trainer: "Trainer", state: TrainState, bar: Any,
+                 window: int = 1) -> None:
         self.trainer = trainer
         self.bar = bar
+        #: steps submitted as one computation (`dagdiff.train.window`)
+        self.window = window
         self.pending: list[InFlight] = []
         self.losses: list[float] = []
         #: the last state whose step ended
@@ -76,8 +81,10 @@ class FitRun:
 
     def run(self, batches: Iterable[Sequence[Any]], steps: int | None
             ) -> tuple[TrainState, list[float]]:
-        """Submit the batches' steps, two in flight, and wait for them; (state, losses)."""
+        """Submit the batches' steps, two windows in flight, and wait for them; (state,
+        losses)."""
         tr, pending = self.trainer, self.pending
+        group: list[tuple[Any, ...]] = []
         try:
             for i, batch in enumerate(batches):
                 if steps is not None and i >= steps:
@@ -89,22 +96,12 @@ class FitRun:
                         f"{i} is a {type(batch).__name__}")
                 if i == 0:
                     self.finished = self.base = tr._with_copy(self.finished, batch)
-                before = pending[-1].after if pending else self.finished
-                try:
-                    after, loss = tr.step(before, *batch)
-                except (LostStateError, TrainerError):
-                    if not pending or not tr.recovering:
-                        raise
-                    # the state this step starts from was lost (a worker went away) or
-                    # failed before its own step ended: that step's failure goes through
-                    # recovery first, and this step starts from the state it gives
-                    while pending:
-                        self.take_one()
-                    before = self.finished
-                    after, loss = tr.step(before, *batch)
-                pending.append(InFlight(loss, before, after, tuple(batch)))
-                while len(pending) > 2:  # keep two steps in flight
-                    self.take_one()
+                group.append(tuple(batch))
+                if len(group) == self.window:
+                    self.submit(group)
+                    group = []
+            if group:
+                self.submit(group)
             while pending:
                 self.take_one()
             if self.losses:
@@ -114,7 +111,7 @@ class FitRun:
         except KeyboardInterrupt:
             self.interrupted()
             # this frame, kept alive by the traceback, must not hold the in-flight futures
-            before = after = loss = None              # noqa: F841
+            group = []
             raise
         self.bar.close()
         tr._last = self.finished
@@ -123,6 +120,30 @@ class FitRun:
                           f"steps={steps} steps; pass more batches (e.g. "
                           "itertools.cycle(batches)) to train longer", stacklevel=3)
         return self.finished, self.losses
+
+    def submit(self, group: list[tuple[Any, ...]]) -> None:
+        """Submit the steps of `group` (one window) after those in flight, then wait for
+        the oldest while more than two windows are in flight."""
+        tr, pending = self.trainer, self.pending
+        before = pending[-1].after if pending else self.finished
+        try:
+            made = submit_window(tr, before, group)
+        except (LostStateError, TrainerError):
+            if not pending or not tr.recovering:
+                raise
+            # the state these steps start from was lost (a worker went away) or failed
+            # before its own step ended: that step's failure goes through recovery
+            # first, and these steps start from the state it gives
+            while pending:
+                self.take_one()
+            before = self.finished
+            made = submit_window(tr, before, group)
+        now = before
+        for (after, loss), b in zip(made, group):
+            pending.append(InFlight(loss, now, after, b))
+            now = after
+        while len(pending) > 2 * self.window:    # keep two windows in flight
+            self.take_one()
 
     def interrupted(self) -> None:
         """Ctrl-C: keep the steps that already ended, let go of the others (released

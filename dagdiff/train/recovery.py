@@ -21,8 +21,8 @@ from ..cluster.info import lost_workers, may_be_a_lost_worker, on_worker_removed
 from ..errors import DirectDispatchError, LostStateError, WorkerLostError
 
 
-__all__ = ["Recovery", "Placement", "Lineage", "StepLoss", "ClientCopy", "copy_task",
-           "lost_values", "restore"]
+__all__ = ["Recovery", "Placement", "Lineage", "StepLoss", "WindowLoss", "ClientCopy",
+           "copy_task", "lost_values", "restore"]
 
 
 @dataclass(frozen=True)
@@ -123,6 +123,20 @@ class StepLoss(Future):
                 "surviving copy with `state = trainer.recover(state)` (the state this step "
                 "returned; its new loss is `state.loss`), or use trainer.fit, which "
                 "recovers by itself.", self.step, gone) from e
+
+
+class WindowLoss(StepLoss):
+    """The loss of step `index` of a window of steps submitted as one computation
+    (`Trainer.fit(window=)`): a `StepLoss` of the window's output (the window's losses),
+    whose `result` is this step's."""
+
+    def __init__(self, key: Any, client: Any, step: int, workers: Collection[str],
+                 index: int) -> None:
+        super().__init__(key, client, step, workers)
+        self.index = index
+
+    def result(self, timeout: float | None = None) -> Any:
+        return super().result(timeout)[self.index]
 
 
 _PENDING: "weakref.WeakKeyDictionary[Any, weakref.WeakSet[StepLoss]]" = \

@@ -28,7 +28,7 @@ from .allreduce import tree_allreduce
 from .optimizer import ScaledOptimizer, update_task
 from .state import TrainState
 
-__all__ = ["StepModel", "StepGraph", "shard", "stage_address"]
+__all__ = ["Prepared", "StepModel", "StepGraph", "shard", "stage_address"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,29 @@ class StepModel:
     groups: tuple[tuple[int, ...], ...]
     group_stage: list[int]
     p: int
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A Trainer step built but not submitted: the state it starts from (placed), its
+    model, targets, dispatch and token, its graph with the output keys (the loss, then
+    the new state's values in `order`: (replica, group) pairs), and the worker address
+    each new state value is made on."""
+
+    state: TrainState
+    model: StepModel
+    targets: Targets
+    direct: bool
+    token: str
+    graph: Any
+    out_keys: list[Any]
+    order: list[tuple[int, int]]
+    where: dict[tuple[int, int], str]
+
+    @property
+    def workers(self) -> set[str]:
+        """The workers the step runs on."""
+        return set(self.where.values())
 
 
 class StepGraph:

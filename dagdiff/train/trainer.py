@@ -53,7 +53,7 @@ from .fit import FitRun, NoBar
 from .recovery import Placement, Recovery, StepLoss
 from .restoring import Restoring
 from .state import TrainState, batch_token, state_identity
-from .step_graph import StepGraph, StepModel, stage_address
+from .step_graph import Prepared, StepGraph, StepModel, stage_address
 
 
 __all__ = ["Trainer", "TrainState"]
@@ -347,6 +347,21 @@ class Trainer(StepGraph, Restoring):
     def step(self, state: TrainState, *batch: Any) -> tuple[TrainState, Any]:
         """Submit one training step; returns (new state, loss) without waiting (loss is a
         Future on a cluster; a concrete scalar on the local scheduler)."""
+        pre = self._prepare(state, batch)
+        freeze_heap(self.client)
+        outs = to_delayed(pre.graph, pre.out_keys)
+        if self.client is None:
+            values = dask.compute(*outs, scheduler="threads")
+        else:
+            values = self.client.compute(outs)
+        lineage = self._lineage(pre.state, batch)
+        loss = values[0]
+        if self.client is not None:
+            loss = StepLoss(loss.key, self.client, pre.state.step, pre.workers)
+        return self._finish(pre, loss, values[1:], lineage), loss
+
+    def _prepare(self, state: TrainState, batch: Sequence[Any]) -> Prepared:
+        """A step's graph, built (and chained to the step before) but not submitted."""
         if self._treedef is None:
             raise TrainerError("call Trainer.init(params) before Trainer.step")
         if not isinstance(state, TrainState):
@@ -367,7 +382,6 @@ class Trainer(StepGraph, Restoring):
                     state.step, tuple(sorted({(state.where or {}).get((r, g), "?")
                                               for r, g, _ in done})),
                     done, 0, time.monotonic() - t0, "the step's input state was lost"))
-        p = model.p
         targets = self._targets(model)
         if targets.slots:
             self._note_moves(state.step, targets)
@@ -382,31 +396,28 @@ class Trainer(StepGraph, Restoring):
         graph, out_keys, order = self._step_graph(model, state, batch, token, targets, direct)
         if direct and self.client is not None:
             self._chain(graph, [str(k) for k in out_keys[1:]])
-        freeze_heap(self.client)
-        outs = to_delayed(graph, out_keys)
-        if self.client is None:
-            values = dask.compute(*outs, scheduler="threads")
-        else:
-            values = self.client.compute(outs)
-        loss = values[0]
-        placed = dict(zip(order, values[1:]))
-        lineage = self._lineage(state, batch)
-        where = {}
+        where = {(r, g): a for (r, g) in order
+                 if (a := stage_address(targets, model.group_stage[g] + r * model.p))
+                 is not None} if self.client is not None else {}
+        return Prepared(state, model, targets, direct, token, graph, list(out_keys), order,
+                        where)
+
+    def _finish(self, pre: Prepared, loss: Any, values: Sequence[Any],
+                lineage: Any) -> TrainState:
+        """The state a submitted step makes: its values (Futures, or concrete on the local
+        scheduler), their copies when this step makes one, and how to make it again."""
+        placed = dict(zip(pre.order, values))
         backup = None
-        if self.client is not None:
-            where = {(r, g): a for (r, g) in placed
-                     if (a := stage_address(targets, model.group_stage[g] + r * p)) is not None}
-            loss = StepLoss(loss.key, self.client, state.step, set(where.values()))
-            if self.recovering:
-                copy = self._to_copy(model, targets, state.step + 1)
-                if copy:
-                    backup = self._copies({rg: placed[rg] for rg in copy}, model, targets,
-                                          token)
-        self._last = TrainState(state.step + 1, groups=model.groups, placed=placed,
-                                owner=self._ref, backup=backup, where=where,
+        if self.client is not None and self.recovering:
+            copy = self._to_copy(pre.model, pre.targets, pre.state.step + 1)
+            if copy:
+                backup = self._copies({rg: placed[rg] for rg in copy}, pre.model, pre.targets,
+                                      pre.token)
+        self._last = TrainState(pre.state.step + 1, groups=pre.model.groups, placed=placed,
+                                owner=self._ref, backup=backup, where=dict(pre.where),
                                 lineage=lineage if self.client is not None else None,
                                 loss=loss)
-        return self._last, loss
+        return self._last
 
     def _chain(self, graph: Any, state_keys: Sequence[str]) -> None:
         """With direct dispatch: each program of this step reads the state values the
@@ -420,11 +431,16 @@ class Trainer(StepGraph, Restoring):
 
     def fit(self, batches: Iterable[Sequence[Any]], steps: int | None = None,
             progress: bool | None = None, state: TrainState | None = None,
-            params: Any = None) -> tuple[TrainState, list[float]]:
+            params: Any = None, window: int = 1) -> tuple[TrainState, list[float]]:
         """Run `steps` steps (default: all batches) from `state` (default: the latest state
         of this trainer, from `init` or `step`; or `init(params)` when given), submitting
         ahead. Returns (state, losses). `progress`: a tqdm bar with the loss (True; the
         default None shows one when tqdm, the ``progress`` extra, is installed).
+        `window`: steps submitted as one Dask computation (one program task per worker
+        for them all, their losses as one output: `dagdiff.train.window`), two windows in
+        flight; larger windows cost Dask less per step, and a failure runs the whole
+        window again. Steps that cannot share one (replicas > 1, dispatch="scheduler")
+        go one by one.
 
         A step that fails because a worker was lost (or restarted) runs again at once on
         the live workers (the lost worker's stages on a survivor until its replacement
@@ -433,6 +449,8 @@ class Trainer(StepGraph, Restoring):
         live worker first (``recover=True``, at most `max_retries` times
         per step): `fit` returns what an undisturbed run returns. Each recovery is in
         `trainer.recoveries`. Any other error is raised as it is."""
+        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+            raise ArgumentError(f"Trainer.fit: window must be an int >= 1, got {window!r}")
         if params is not None and state is None:
             state = self.init(params)
         if state is None:
@@ -448,4 +466,4 @@ class Trainer(StepGraph, Restoring):
         tqdm = require("tqdm.auto", "Trainer.fit(progress=True)").tqdm if progress else None
         bar = (tqdm(total=total, desc="train", unit="step") if tqdm is not None
                else NoBar())
-        return FitRun(self, state, bar).run(batches, steps)
+        return FitRun(self, state, bar, window).run(batches, steps)

@@ -14,11 +14,11 @@ from ..taskspec import DataNode, Task, TaskRef
 from .plan import ProgramPlan, plan_programs
 from .results import Export, LocalImport, ProgramResult
 from .program import Program
-from .runtime import _timeout, new_nonce, run_program
+from .runtime import _timeout, new_nonce, run_program, run_programs
 
 
 __all__ = ["DirectGraph", "rewrite", "next_base", "RESOURCE_SHARE", "chain_step",
-           "Source"]
+           "Source", "merge_window", "WindowError"]
 
 #: share of a slot resource one program holds: a program leaves the thread pool
 #: (``secede``) but keeps its resources, so whole units would block the worker's next
@@ -220,6 +220,116 @@ def chain_step(dsk: dict[str, Any], sources: Mapping[str, Source], keys: Collect
         if pk in serials:
             out[k] = Source(serials[pk], str(t.args[1]), dsk[pk].args[0].address)
     return out
+
+
+class WindowError(ValueError):
+    """Steps that cannot run as one window (`merge_window`): submit them one by one."""
+
+
+def merge_window(steps: list[dict[str, Any]], loss_keys: list[str],
+                 state_keys: list[list[str]]) -> tuple[dict[str, Any], dict[str, str]]:
+    """k chained direct-dispatch steps (each rewritten by `rewrite` and chained by
+    `chain_step` to the one before, whose state its programs read in place) as one
+    submission: per worker one task that runs its k programs in order (`run_programs`),
+    the first step's nonce (each step's token already names its runs), one output with
+    the k losses (`loss_keys[-1]`'s key: a tuple), and the last step's state picks (which
+    keep the first step's state as their dependency, as `chain_step` does). Returns the
+    new tasks and, per new task, the key of the steps' task whose placement and priority
+    it takes. Raises `WindowError` where a step reads a value no task of the window keeps
+    (e.g. a state moved to another worker within the window)."""
+    k = len(steps)
+    progs: dict[str, list[tuple[Program, str, tuple[Any, ...]]]] = {}
+    address_of: dict[str, str] = {}              # program key -> its worker
+    first_prog: dict[str, str] = {}              # worker -> step 0's program key
+    nonce = ""
+    for i, dsk in enumerate(steps):
+        for key, t in dsk.items():
+            if not (isinstance(t, Task) and t.func is run_program):
+                continue
+            prog: Program = t.args[0]
+            if i == 0:
+                nonce = nonce or str(t.args[1].key)
+                first_prog[prog.address] = key
+            elif prog.address not in first_prog:
+                raise WindowError(f"step {i} of the window runs on {prog.address}, step 0 not")
+            address_of[key] = prog.address
+            progs.setdefault(prog.address, []).append(
+                (prog, str(t.kwargs.get("serial", "")), tuple(t.args[2:])))
+    if not nonce or any(len(v) != k for v in progs.values()):
+        raise WindowError("the window's steps do not run a program on the same workers")
+    dropped = {key for dsk in steps[:-1] for key in dsk} | {
+        key for dsk in steps[-1:] for key, t in dsk.items()
+        if isinstance(t, Task) and t.func is run_program}
+    token = progs[next(iter(progs))][-1][0].step
+    seq = {a: make_key("program", f"{sanitize(ps[0][0].where)}_x{k}", i, token)
+           for i, (a, ps) in enumerate(sorted(progs.items()))}
+    keep: dict[str, set[str]] = {a: set() for a in progs}
+    new: dict[str, Any] = {nonce: steps[0][nonce]}
+    takes: dict[str, str] = {nonce: nonce}
+    # the k losses as one output, on the last loss's worker
+    order = sorted(seq)
+    flat: list[Any] = []
+    for i, (dsk, lk) in enumerate(zip(steps, loss_keys)):
+        t = dsk[lk]
+        if not (isinstance(t, Task) and t.func is _output) or t.kwargs:
+            raise WindowError(f"step {i}'s loss {lk} is not a plain output of its programs")
+        here, n = t.args[0], t.args[1]
+        refs, func, args = t.args[2:2 + n], t.args[2 + n], t.args[3 + n:]
+        addr = address_of[str(refs[here].key)]
+        mine = []
+        for a in args:
+            if isinstance(a, Export):       # its name in the window's result
+                a = Export(f"{i}:{a.key}")
+                keep[addr].add(a.key)
+            elif isinstance(a, TaskRef):
+                raise WindowError(f"step {i}'s loss reads {a.key} from another worker")
+            mine.append(a)
+        flat.extend((order.index(addr), func, len(mine), *mine))
+    out_key = loss_keys[-1]
+    new[out_key] = Task(out_key, _window_losses, len(order), k,
+                        *(TaskRef(seq[a]) for a in order), *flat)
+    takes[out_key] = out_key
+    # the last step's state, picked from its worker's window task; the dependencies a
+    # first step's pick keeps (the state before the window) move to it
+    before: dict[str, list[Any]] = {}
+    for key in state_keys[0]:
+        t = steps[0][key]
+        if isinstance(t, Task) and t.func is _pick:
+            before.setdefault(address_of[str(t.args[0].key)], []).extend(t.args[2:])
+    for key in state_keys[-1]:
+        t = steps[-1][key]
+        if not (isinstance(t, Task) and t.func is _pick):
+            raise WindowError(f"the window's state {key} is not picked from a program")
+        addr = address_of[str(t.args[0].key)]
+        name = f"{k - 1}:{t.args[1]}"         # the export it picks (a template's name)
+        keep[addr].add(name)
+        new[key] = Task(key, _pick, TaskRef(seq[addr]), name, *before.pop(addr, ()))
+        takes[key] = key
+    for addr, ps in progs.items():
+        args: list[Any] = []
+        for prog, serial, statics in ps:
+            for a in statics:
+                if isinstance(a, TaskRef) and str(a.key) in dropped:
+                    raise WindowError(f"{prog.key} reads {a.key}, which the window drops")
+            args.extend((prog, serial, len(statics), *statics))
+        key = seq[addr]
+        new[key] = Task(key, run_programs, key, k, TaskRef(nonce), *args,
+                        keep=tuple(sorted(keep[addr])))
+        takes[key] = first_prog[addr]
+    return new, takes
+
+
+async def _window_losses(n: int, k: int, *rest: Any) -> tuple[Any, ...]:
+    """A window's output: the loss of each of its `k` steps, each computed as that step's
+    output task would from its worker's part of the `n` window results."""
+    results, at, out = rest[:n], n, []
+    for _ in range(k):
+        here, func, count = rest[at], rest[at + 1], rest[at + 2]
+        args = rest[at + 3:at + 3 + count]
+        at += 3 + count
+        out.append(func(*(results[here].value(a.key) if isinstance(a, Export) else a
+                          for a in args)))
+    return tuple(out)
 
 
 def _leading(pp: ProgramPlan) -> int:

@@ -39,7 +39,7 @@ from .transport import STATUS_OP, DecodeError, Transport
 
 
 __all__ = ["EXTENSION", "DirectRuntime", "install", "runtime",
-           "run_program", "new_nonce", "compute_log",
+           "run_program", "run_programs", "new_nonce", "compute_log",
            "STALE_AFTER", "PEER_LOST_OP"]
 
 
@@ -173,13 +173,16 @@ class DirectRuntime:
 
     # --- running a program ------------------------------------------------------------------
     def run(self, prog: Program, nonce: str, static_values: tuple[Any, ...],
-            serial: str = "") -> ProgramResult:
+            serial: str = "", task: str = "", secede: bool = True) -> ProgramResult:
         """Run `prog`'s actions in order; return the values ordinary tasks read (see
         `run_program`). `serial`: this submission's name, under which its exports (or
-        its error) are kept here a while for a later program's `LocalImport`."""
+        its error) are kept here a while for a later program's `LocalImport`. `task`:
+        the Dask task running it when that is not the program's own (`run_programs`),
+        whose release cancels it too; `secede`: leave the thread pool first (once per
+        task)."""
         kept: dict[str, Any] | str = "it was stopped"
         try:
-            exports = self._run(prog, nonce, static_values)
+            exports = self._run(prog, nonce, static_values, task, secede)
             kept = exports
         except BaseException as e:
             kept = f"{type(e).__name__}: {e}"
@@ -199,8 +202,8 @@ class DirectRuntime:
                 self._exports.popitem(last=False)
             self._ended.notify_all()
 
-    def _run(self, prog: Program, nonce: str, static_values: tuple[Any, ...]
-             ) -> dict[str, Any]:
+    def _run(self, prog: Program, nonce: str, static_values: tuple[Any, ...],
+             task: str = "", secede: bool = True) -> dict[str, Any]:
         if self.worker.address != prog.address:
             raise DirectDispatchError(
                 f"{prog.key}: the step was built for {prog.where}'s worker at {prog.address}, "
@@ -215,12 +218,19 @@ class DirectRuntime:
                 "worker and Dask runs its program again alone (e.g. client.retry after a "
                 "failure). Release the step's futures and compute it again (a new run).")
         self._running[prog.key] = run
+        if task:
+            self._running[task] = run
         with self._lock:
             lost = [a for _, a in prog.members if a in self.lost]
         st.peers_lost(lost)
         number = next(self._runs_counter)
-        _secede()
-        return self._execute(prog, run, st, number, static_values)
+        if secede:
+            _secede()
+        try:
+            return self._execute(prog, run, st, number, static_values)
+        finally:
+            if task:
+                self._running.pop(task, None)
 
     def take_import(self, prog: Program, st: ProgramRun, imp: LocalImport) -> Any:
         """The value `imp` names: from the exports of its program's run once that ended
@@ -390,6 +400,27 @@ def run_program(prog: Program, nonce: str, /, *static_values: Any, serial: str =
     once, and the task fails with it. A program returns only when every program of its
     run succeeded (the closing exchange)."""
     return runtime().run(prog, nonce, static_values, serial)
+
+
+def run_programs(task: str, n: int, nonce: str, /, *rest: Any,
+                 keep: tuple[str, ...] = ()) -> ProgramResult:
+    """A window of `n` steps' programs on one worker, as one task (`task`): each step's
+    program runs after the one before, as its own run of its step (`nonce` with the
+    step's token names it, so their messages never mix), reading the state the one before
+    exported (`LocalImport`). `rest` holds, per step, (program, serial, the number of its
+    inputs, its inputs...). Returns the exports `keep` of all of them (what the window's
+    outputs read: every step's loss parts, the last step's state). The first failure
+    stops the window: the steps after it do not run, and the task fails with it."""
+    rt, wanted = runtime(), set(keep)
+    out: dict[str, Any] = {}
+    at = 0
+    for i in range(n):
+        prog, serial, count = rest[at], rest[at + 1], rest[at + 2]
+        args = tuple(rest[at + 3:at + 3 + count])
+        at += 3 + count
+        result = rt.run(prog, nonce, args, serial, task=task, secede=i == 0)
+        out.update((f"{i}:{k}", v) for k, v in result.items() if f"{i}:{k}" in wanted)
+    return ProgramResult(task, out)
 
 
 def compute_log(keys: Any = None, dask_worker: Any = None) -> dict[str, Any]:
