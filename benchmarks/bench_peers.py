@@ -14,6 +14,8 @@ Systems (--systems, default all that are installed):
   dagdiff-adam   `dd.Trainer(loss_fn, optax.adam(1e-3), ...)`: `trainer.step` + loss.result()
   dagdiff-unfused  the `dagdiff` row with dask config dagdiff.fuse-loss-backward off (the
                  last stage's forward and backward as two jitted calls, as before 2026-12-01)
+  dagdiff-fit8   `trainer.fit(batches, window=8)`: the same fit, 8 steps per Dask
+                 computation (one program task per worker for 8 steps)
   dagdiff-fit    the same Trainer's own loop, `trainer.fit(batches)` (steps submitted ahead):
                  per step = the fit's time / its steps (median of 3 fits after a warm-up fit)
   torch          torch.distributed.pipelining `Schedule1F1B`, 2 gloo processes
@@ -65,7 +67,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 SYSTEMS = ("jax", "jax-adam", "torch", "torch-gpipe", "torch-adam", "dagdiff", "dagdiff-zbh1",
-           "dagdiff-unfused", "dagdiff-adam", "dagdiff-fit", "bound")
+           "dagdiff-unfused", "dagdiff-adam", "dagdiff-fit", "dagdiff-fit8", "bound")
 TOP_PAD = "67108864"
 TRIM = "MALLOC_TRIM_THRESHOLD_"
 MALLOC_CHOICES = ("default", "toppad", "distributed", "unset")
@@ -364,7 +366,7 @@ def run_dagdiff_adam(client: Any, cfg: Cfg, schedule: str) -> Result:
     return out
 
 
-def run_dagdiff_fit(client: Any, cfg: Cfg, schedule: str) -> Result:
+def run_dagdiff_fit(client: Any, cfg: Cfg, schedule: str, window: int = 1) -> Result:
     """dd.Trainer.fit with optax.adam over the steps (it submits steps ahead, so one step's
     start overlaps the previous one's end): the time per step of the whole fit, after a
     warm-up fit; each entry of `times` is one fit's total / its steps."""
@@ -380,8 +382,10 @@ def run_dagdiff_fit(client: Any, cfg: Cfg, schedule: str) -> Result:
                     schedule=schedule, client=client)
     from timing import mean_seconds
 
-    state, losses = tr.fit(batches[:cfg.warmup], params=params, progress=False)
-    times = mean_seconds(lambda: tr.fit(batches[cfg.warmup:], state=state, progress=False),
+    state, losses = tr.fit(batches[:cfg.warmup], params=params, progress=False,
+                           window=window)
+    times = mean_seconds(lambda: tr.fit(batches[cfg.warmup:], state=state, progress=False,
+                                        window=window),
                          cfg.steps, repeat=3)
     return Result(times, float(losses[0]))
 
@@ -579,6 +583,9 @@ def main() -> None:
                 elif s == "dagdiff-adam":
                     res[s] = run_dagdiff_adam(client, cfg, a.schedule)
                     show(s, f"dagdiff Trainer {a.schedule} + optax adam, 2 workers")
+                elif s == "dagdiff-fit8":
+                    res[s] = run_dagdiff_fit(client, cfg, a.schedule, window=8)
+                    show(s, f"dagdiff Trainer.fit window=8 {a.schedule} + adam (per step)")
                 else:
                     res[s] = run_dagdiff_fit(client, cfg, a.schedule)
                     show(s, f"dagdiff Trainer.fit {a.schedule} + adam (per step, 3 fits)")
@@ -606,7 +613,10 @@ def main() -> None:
                                 ("dagdiff", "dagdiff-unfused", "dagdiff / dagdiff unfused"),
                                 ("dagdiff-adam", "torch-adam", "dagdiff Trainer / torch + Adam"),
                                 ("dagdiff-adam", "jax-adam", "dagdiff Trainer / jax.jit + adam"),
-                                ("dagdiff-fit", "torch-adam", "dagdiff fit / torch + Adam")):
+                                ("dagdiff-fit", "torch-adam", "dagdiff fit / torch + Adam"),
+                                ("dagdiff-fit8", "torch-adam",
+                                 "dagdiff fit window=8 / torch + Adam"),
+                                ("dagdiff-fit8", "dagdiff-fit", "fit window=8 / window=1")):
         ratios = [r[dd_row].median / r[peer].median for r in rounds if dd_row in r and peer in r]
         if ratios:
             each = (" [" + ", ".join(f"{x:.2f}" for x in ratios) + "]") if len(ratios) > 1 else ""

@@ -384,3 +384,19 @@ def test_the_client_heap_is_frozen_after_the_first_and_sixteenth_step(monkeypatc
     froze = [i + 1 for i in range(40) if heap.freeze_heap(object())]
     assert froze == [1, 16] and heap.heap_frozen()
     assert calls == ["collect", "freeze@1", "collect", "freeze@16"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind", ["scheduler", "replicas"])
+def test_fit_windows_fall_back_to_one_step_at_a_time(client2: Any, kind: str) -> None:
+    """`fit(window=3)` where steps cannot share a window (scheduler dispatch; two
+    replicas): each step is submitted alone, and the losses and parameters equal plain
+    optax's."""
+    params, batches = setup(5)
+    opt = optax.adam(1e-2)
+    kw = ({"dispatch": "scheduler"} if kind == "scheduler" else {"replicas": 2})
+    tr = dd.Trainer(loss_fn, opt, microbatches=2, schedule="1f1b", client=client2, **kw)
+    state, losses = tr.fit(batches, params=params, progress=False, window=3)
+    want, want_losses = reference(params, batches, opt)
+    close(tr.params(state), want, rtol=1e-5)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
