@@ -503,3 +503,26 @@ def test_an_import_comes_from_the_run_that_made_it_else_from_memory_else_fails()
     with pytest.raises(DirectDispatchError, match="never ran here"):
         rt.take_import(prog, SimpleNamespace(abort=None),
                        LocalImport("update_g0-A", "s1", "update_g0-a"))
+
+
+def test_a_program_task_released_before_its_program_began_stops_as_it_begins() -> None:
+    """The scheduler released a program task whose thread had not reached its program yet
+    (or a window's task between two of its programs): `cancel` finds nothing running and
+    marks the task's Dask run; its program then stops as it begins, with a clear error,
+    and a later run of the same key (a new Dask run id) is not stopped by the old mark."""
+    from types import SimpleNamespace
+
+    from dagdiff.errors import DirectDispatchError
+
+    worker = _FakeWorker()
+    worker.state = SimpleNamespace(tasks={"prog_slot0-n0-c": SimpleNamespace(run_id=7)})
+    rt = rt_mod.DirectRuntime(worker)
+    prog = Program("prog_slot0-n0-c", "c", "slot0", worker.address, (), (), 5.0)
+    rt.cancel("prog_slot0-n0-c")                       # released: nothing runs yet
+    with pytest.raises(DirectDispatchError, match="cancelled before this program began"):
+        rt._run(prog, "n1", (), secede=False)
+    assert rt._running == {}
+    worker.state.tasks["prog_slot0-n0-c"].run_id = 8   # computed again later
+    rt.cancel("prog_slot0-n0-x")                       # another task's mark
+    assert rt._run(prog, "n2", (), secede=False) == {}  # no actions: it just runs
+    assert rt._running == {}

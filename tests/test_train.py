@@ -271,8 +271,8 @@ def test_main_command_runs(tmp_path: Any) -> None:
     assert "Traceback" not in bad.stderr
 
 
-def _running_programs(dask_worker: Any) -> int:
-    return len(dask_worker.extensions["dagdiff"]._running)
+def _running_keys(dask_worker: Any) -> dict[str, str]:
+    return dict(dask_worker.extensions["dagdiff"]._running)
 
 
 @pytest.mark.distributed
@@ -303,10 +303,14 @@ def test_ctrl_c_in_fit_keeps_the_last_finished_state_and_the_cluster(client2: An
         with pytest.raises(KeyboardInterrupt):
             tr.fit(interrupted(), progress=False, window=window)
     assert any("interrupted after" in str(w.message) for w in caught)
+    # released programs stop (one the worker had just been sent may start first: it
+    # stops as it begins), so the workers soon run none
     deadline = time.time() + 20
-    while sum(client2.run(_running_programs).values()) and time.time() < deadline:
+    left = client2.run(_running_keys)
+    while any(left.values()) and time.time() < deadline:
         time.sleep(0.1)
-    assert sum(client2.run(_running_programs).values()) == 0
+        left = client2.run(_running_keys)
+    assert not any(left.values()), left
     done = tr._last
     if window == 1:
         assert done is not None and 3 <= done.step <= 5       # 2 steps were in flight

@@ -2,6 +2,7 @@
 gradients and the optax updates, lowered (or bound to an earlier step's template)."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -14,21 +15,30 @@ from ..build import (
     Model,
     OutKey,
     StepTasks,
+    chain_steps,
     compile_step,
     lower_replicas,
     program_homes,
+    resolve_dispatch,
+    step_token,
     templates,
     without_gc,
 )
+from ..cluster.info import check_open
 from ..cluster.targets import Targets
 from ..core.keys import make_key
+from ..errors import ArgumentError, TrainerError
 from ..runtime.tasks import mean_task
 from ..runtime.taskspec import DataNode, Task, TaskRef
 from .allreduce import tree_allreduce
 from .optimizer import ScaledOptimizer, update_task
-from .state import TrainState
+from .recovery import Recovery
+from .state import TrainState, batch_token, state_identity
 
-__all__ = ["Prepared", "StepModel", "StepGraph", "shard", "stage_address"]
+__all__ = ["SOURCES_KEPT", "Prepared", "StepModel", "StepGraph", "shard", "stage_address"]
+
+#: state values whose source program a Trainer remembers for the next step (`_chain`)
+SOURCES_KEPT = 256
 
 
 @dataclass(frozen=True)
@@ -74,6 +84,75 @@ class StepGraph:
     (replica, group), bound to a template of an earlier step when one fits."""
 
     @without_gc
+    def _prepare(self, state: TrainState, batch: Sequence[Any]) -> Prepared:
+        """A step's graph, built (and chained to the step before) but not submitted."""
+        if self._treedef is None:
+            raise TrainerError("call Trainer.init(params) before Trainer.step")
+        if not isinstance(state, TrainState):
+            raise ArgumentError(
+                f"Trainer.step takes the TrainState from Trainer.init (or the previous step), "
+                f"got {type(state).__name__}: state = trainer.init(params); "
+                "state, loss = trainer.step(state, x, t)")
+        if self.client is not None:
+            check_open(self.client)
+        model = self._model(batch)
+        if not state.is_placed:
+            state = self._place(state, model)
+        elif self.client is not None:
+            t0 = time.monotonic()
+            state, done = self._restored(state, model)
+            if done:
+                self.recoveries.append(Recovery(
+                    state.step, tuple(sorted({(state.where or {}).get((r, g), "?")
+                                              for r, g, _ in done})),
+                    done, 0, time.monotonic() - t0, "the step's input state was lost"))
+        targets = self._targets(model)
+        if targets.slots:
+            self._note_moves(state.step, targets)
+        direct = (self.schedule is not None
+                  and resolve_dispatch(self.options.dispatch, self.client, targets) == "direct")
+        # a key names one computation: this trainer's step from these very state values
+        # (their Futures' keys) on this batch's content, so a step from another state or
+        # on another batch never shares keys with this one, and the same step again does
+        token = step_token(model.model.trace, ("step", self.options.token()), state.step,
+                           self._uid, state_identity(state), batch_token(batch),
+                           program_homes("direct" if direct else "", targets))
+        graph, out_keys, order = self._step_graph(model, state, batch, token, targets, direct)
+        if direct and self.client is not None:
+            self._chain(graph, [str(k) for k in out_keys[1:]])
+        where = {(r, g): a for (r, g) in order
+                 if (a := stage_address(targets, model.group_stage[g] + r * model.p))
+                 is not None} if self.client is not None else {}
+        return Prepared(state, model, targets, direct, token, graph, list(out_keys), order,
+                        where)
+
+    def _finish(self, pre: Prepared, loss: Any, values: Sequence[Any],
+                lineage: Any) -> TrainState:
+        """The state a submitted step makes: its values (Futures, or concrete on the local
+        scheduler), their copies when this step makes one, and how to make it again."""
+        placed = dict(zip(pre.order, values))
+        backup = None
+        if self.client is not None and self.recovering:
+            copy = self._to_copy(pre.model, pre.targets, pre.state.step + 1)
+            if copy:
+                backup = self._copies({rg: placed[rg] for rg in copy}, pre.model, pre.targets,
+                                      pre.token)
+        self._last = TrainState(pre.state.step + 1, groups=pre.model.groups, placed=placed,
+                                owner=self._ref, backup=backup, where=dict(pre.where),
+                                lineage=lineage if self.client is not None else None,
+                                loss=loss)
+        return self._last
+
+    def _chain(self, graph: Any, state_keys: Sequence[str]) -> None:
+        """With direct dispatch: each program of this step reads the state values the
+        previous step's program on its worker exported straight from it (no scheduler
+        round trip between the two steps' programs: `chain_steps`), and this step's new
+        state values are remembered for the next step (the newest `SOURCES_KEPT`). Dask
+        config ``dagdiff.direct.chain-steps: false`` keeps them Dask dependencies."""
+        self._sources.update(chain_steps(graph, self._sources, state_keys))
+        while len(self._sources) > SOURCES_KEPT:
+            del self._sources[next(iter(self._sources))]
+
     def _step_graph(self, model: "StepModel", state: TrainState, batch: Sequence[Any],
                     token: str, targets: Targets, direct: bool
                     ) -> tuple[Any, list[OutKey], list[tuple[int, int]]]:

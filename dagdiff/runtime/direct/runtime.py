@@ -74,6 +74,9 @@ class DirectRuntime:
         self._runs: dict[str, ProgramRun] = {}
         self._finished: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._running: dict[str, str] = {}          # program key -> its run (cancellations)
+        #: (task key, Dask run id) of program tasks released before their program began
+        self._released: collections.OrderedDict[tuple[str, Any], None] = \
+            collections.OrderedDict()
         #: (action key, start, stop, program key, run number) of every action run here
         self.log: collections.deque[tuple[str, float, float, str, int]] = \
             collections.deque(maxlen=200_000)
@@ -159,14 +162,25 @@ class DirectRuntime:
             st.deliver(msg)
 
     def cancel(self, key: str) -> None:
-        """A program was released while running (the client let go of its step): stop."""
-        run = self._running.get(key)
-        if run is None:
-            return
+        """A program task was released while running (the client let go of its step):
+        stop. Released before its program began (the task's thread had not got there, or
+        a window's task between two of its programs), it is marked, by the task's Dask
+        run id, so that its next program stops as it begins."""
         with self._lock:
+            run = self._running.get(key)
+            if run is None:
+                self._released[(key, self._run_id(key))] = None
+                while len(self._released) > 256:
+                    self._released.popitem(last=False)
+                return
             st = self._runs.get(run)
         if st is not None:
             st.cancel("the step was cancelled")
+
+    def _run_id(self, key: str) -> Any:
+        """The Dask run id of the task `key` executing here (None when unknown)."""
+        ts = getattr(getattr(self.worker, "state", None), "tasks", {}).get(key)
+        return getattr(ts, "run_id", None)
 
     def close(self) -> None:
         self.transport.close()
@@ -217,9 +231,18 @@ class DirectRuntime:
                 f"{prog.key} on {prog.where}: run {run} of this step already ended on this "
                 "worker and Dask runs its program again alone (e.g. client.retry after a "
                 "failure). Release the step's futures and compute it again (a new run).")
-        self._running[prog.key] = run
-        if task:
-            self._running[task] = run
+        with self._lock:
+            self._running[prog.key] = run
+            if task:
+                self._running[task] = run
+            released = [k for k in (prog.key, task) if k and self._released.pop(
+                (k, self._run_id(k)), 0) is None]
+        if released:
+            self._running.pop(prog.key, None)
+            self._running.pop(task, None)
+            self._finish(run, "failed")
+            raise DirectDispatchError(f"{prog.key} on {prog.where}: the step was cancelled "
+                                      "before this program began")
         with self._lock:
             lost = [a for _, a in prog.members if a in self.lost]
         st.peers_lost(lost)
