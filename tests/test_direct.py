@@ -423,6 +423,34 @@ def test_a_failed_trainer_step_fails_every_stage_and_the_next_step(client2: Any)
     assert _waiting(client2) == 0
 
 
+def _spy_graphs(monkeypatch: Any, module: Any) -> list[dict[str, Any]]:
+    """Every graph `module` turns into Delayed outputs (its `to_delayed`), in order."""
+    graphs: list[dict[str, Any]] = []
+    real = module.to_delayed
+
+    def to_delayed(graph: Any, keys: Any) -> Any:
+        graphs.append(dict(graph))
+        return real(graph, keys)
+
+    monkeypatch.setattr(module, "to_delayed", to_delayed)
+    return graphs
+
+
+def _two_stage_loss(params: Any, x: Any, t: Any) -> Any:
+    with dd.stage(0):
+        h = _linear(params[0], x)
+    with dd.stage(1):
+        return _mse(_linear(params[1], h), t)
+
+
+def _two_stage_job(seed: int, n: int) -> tuple[list[Any], list[tuple[Any, Any]]]:
+    key = jax.random.PRNGKey(seed)
+    params = [jax.random.normal(key, (8, 8)) * 0.3, jax.random.normal(key, (8, 8)) * 0.2]
+    batches = [(jax.random.normal(jax.random.fold_in(key, i), (8, 8)),
+                jax.random.normal(jax.random.fold_in(key, 50 + i), (8, 8))) for i in range(n)]
+    return params, batches
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("chain", [True, False])
 def test_a_trainer_step_takes_the_state_of_the_step_before_in_place(
@@ -436,25 +464,9 @@ def test_a_trainer_step_takes_the_state_of_the_step_before_in_place(
 
     import dagdiff.train.trainer as trainer_module
 
-    graphs = []
-
-    def to_delayed(graph: Any, keys: Any) -> Any:
-        graphs.append(dict(graph))
-        return trainer_module.to_delayed.__wrapped__(graph, keys)
-
-    to_delayed.__wrapped__ = trainer_module.to_delayed         # type: ignore[attr-defined]
-    monkeypatch.setattr(trainer_module, "to_delayed", to_delayed)
-
-    def loss_fn(params: Any, x: Any, t: Any) -> Any:
-        with dd.stage(0):
-            h = _linear(params[0], x)
-        with dd.stage(1):
-            return _mse(_linear(params[1], h), t)
-
-    key = jax.random.PRNGKey(0)
-    params = [jax.random.normal(key, (8, 8)) * 0.3, jax.random.normal(key, (8, 8)) * 0.2]
-    batches = [(jax.random.normal(jax.random.fold_in(key, i), (8, 8)),
-                jax.random.normal(jax.random.fold_in(key, 50 + i), (8, 8))) for i in range(4)]
+    graphs = _spy_graphs(monkeypatch, trainer_module)
+    loss_fn = _two_stage_loss
+    params, batches = _two_stage_job(0, 4)
     opt = optax.adam(1e-2)
     with dask.config.set({"dagdiff.direct.chain-steps": chain}):
         tr = dd.Trainer(loss_fn, opt, microbatches=2, schedule="1f1b", client=client2,
@@ -500,25 +512,9 @@ def test_fit_in_windows_runs_k_steps_as_one_task_per_worker(client2: Any,
     import dagdiff.train.window as window_module
     from dagdiff.runtime.direct.runtime import run_programs
 
-    graphs = []
-
-    def to_delayed(graph: Any, keys: Any) -> Any:
-        graphs.append(dict(graph))
-        return window_module.to_delayed.__wrapped__(graph, keys)
-
-    to_delayed.__wrapped__ = window_module.to_delayed         # type: ignore[attr-defined]
-    monkeypatch.setattr(window_module, "to_delayed", to_delayed)
-
-    def loss_fn(params: Any, x: Any, t: Any) -> Any:
-        with dd.stage(0):
-            h = _linear(params[0], x)
-        with dd.stage(1):
-            return _mse(_linear(params[1], h), t)
-
-    key = jax.random.PRNGKey(1)
-    params = [jax.random.normal(key, (8, 8)) * 0.3, jax.random.normal(key, (8, 8)) * 0.2]
-    batches = [(jax.random.normal(jax.random.fold_in(key, i), (8, 8)),
-                jax.random.normal(jax.random.fold_in(key, 50 + i), (8, 8))) for i in range(8)]
+    graphs = _spy_graphs(monkeypatch, window_module)
+    loss_fn = _two_stage_loss
+    params, batches = _two_stage_job(1, 8)
     opt = optax.adam(1e-2)
     tr = dd.Trainer(loss_fn, opt, microbatches=2, schedule="1f1b", client=client2)
     state, losses = tr.fit(batches[:7], params=params, progress=False, window=3)
