@@ -443,6 +443,17 @@ def _two_stage_loss(params: Any, x: Any, t: Any) -> Any:
         return _mse(_linear(params[1], h), t)
 
 
+def _optax_reference(opt: Any, params: Any, batches: list[Any]) -> tuple[Any, list[float]]:
+    """Plain JAX + optax over `batches`: the final parameters and each step's loss."""
+    p, s, losses = params, opt.init(params), []
+    for x, t in batches:
+        loss, g = jax.value_and_grad(_two_stage_loss)(p, x, t)
+        u, s = opt.update(g, s, p)
+        p = optax.apply_updates(p, u)
+        losses.append(float(loss))
+    return p, losses
+
+
 def _two_stage_job(seed: int, n: int) -> tuple[list[Any], list[tuple[Any, Any]]]:
     key = jax.random.PRNGKey(seed)
     params = [jax.random.normal(key, (8, 8)) * 0.3, jax.random.normal(key, (8, 8)) * 0.2]
@@ -487,13 +498,7 @@ def test_a_trainer_step_takes_the_state_of_the_step_before_in_place(
         assert not any(from_before.values()), from_before
     else:
         assert all(from_before.values()), from_before
-    p, s = params, opt.init(params)
-    want = []
-    for x, t in batches:
-        loss, g = jax.value_and_grad(loss_fn)(p, x, t)
-        u, s = opt.update(g, s, p)
-        p = optax.apply_updates(p, u)
-        want.append(float(loss))
+    p, want = _optax_reference(opt, params, batches)
     np.testing.assert_allclose(losses, [want[0], want[1], want[1], want[2], want[3]],
                                rtol=1e-5)
     close(tr.params(state3), p)
@@ -526,13 +531,7 @@ def test_fit_in_windows_runs_k_steps_as_one_task_per_worker(client2: Any,
         assert not any(t.func is run_program for t in tasks)
         assert len(tasks) == 2 + 1 + 1 + 2        # windows, nonce, losses, state picks
     state, more = tr.fit(batches[7:], state=state, progress=False, window=3)
-    p, s = params, opt.init(params)
-    want = []
-    for x, t in batches:
-        loss, g = jax.value_and_grad(loss_fn)(p, x, t)
-        u, s = opt.update(g, s, p)
-        p = optax.apply_updates(p, u)
-        want.append(float(loss))
+    p, want = _optax_reference(opt, params, batches)
     np.testing.assert_allclose(losses + more, want, rtol=1e-5)
     close(tr.params(state), p)
     one = dd.Trainer(loss_fn, opt, microbatches=2, schedule="1f1b", client=client2)
