@@ -445,6 +445,8 @@ def _two_stage_loss(params: Any, x: Any, t: Any) -> Any:
 
 def _optax_reference(opt: Any, params: Any, batches: list[Any]) -> tuple[Any, list[float]]:
     """Plain JAX + optax over `batches`: the final parameters and each step's loss."""
+    import optax
+
     p, s, losses = params, opt.init(params), []
     for x, t in batches:
         loss, g = jax.value_and_grad(_two_stage_loss)(p, x, t)
