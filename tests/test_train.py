@@ -404,3 +404,46 @@ def test_fit_windows_fall_back_to_one_step_at_a_time(client2: Any, kind: str) ->
     want, want_losses = reference(params, batches, opt)
     close(tr.params(state), want, rtol=1e-5)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("window", [1, 2])
+def test_ctrl_c_while_fit_waits_for_a_step_stops_every_program(client2: Any, window: int,
+                                                               monkeypatch: Any) -> None:
+    """A KeyboardInterrupt while fit waits for a step's loss (here from the wait itself),
+    its traceback kept as a notebook keeps it: no program keeps running, and the
+    trainer's latest state (a window's last, with `window=2`) equals plain optax over its
+    steps."""
+    import time
+    import warnings
+
+    from dagdiff.train.fit import FitRun
+
+    params, batches = setup(8)
+    opt = optax.adam(1e-2)
+    tr = dd.Trainer(loss_fn, opt, microbatches=4, schedule="1f1b", client=client2)
+    tr.init(params)
+    real, calls = FitRun.take_one, [0]
+
+    def take_one(self: Any) -> None:
+        calls[0] += 1
+        if calls[0] == 2:
+            raise KeyboardInterrupt
+        real(self)
+
+    monkeypatch.setattr(FitRun, "take_one", take_one)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(KeyboardInterrupt) as info:   # kept, as a notebook keeps it
+            tr.fit(batches, progress=False, window=window)
+    monkeypatch.setattr(FitRun, "take_one", real)
+    deadline = time.time() + 20
+    left = client2.run(_running_keys)
+    while any(left.values()) and time.time() < deadline:
+        time.sleep(0.1)
+        left = client2.run(_running_keys)
+    assert not any(left.values()), (left, info.tb)
+    done = tr._last
+    want, _ = reference(params, batches[:done.step], opt)
+    close(tr.params(done), want)

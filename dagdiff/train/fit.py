@@ -142,6 +142,9 @@ class FitRun:
         for (after, loss), b in zip(made, group):
             pending.append(InFlight(loss, now, after, b))
             now = after
+        # a Ctrl-C while waiting below keeps this frame in its traceback: it must not hold
+        # the in-flight steps' futures (released futures stop their programs)
+        made = before = now = after = loss = None          # noqa: F841
         while len(pending) > 2 * self.window:    # keep two windows in flight
             self.take_one()
 
