@@ -9,6 +9,9 @@ Systems (--systems, default all that are installed):
   dagdiff        `dd.value_and_grad(loss_fn, microbatches=m, schedule=--schedule)` on
                  `dd.local_cluster(2)` (direct dispatch); the step is trace + build + compute
                  of the loss and every gradient leaf; the grads stay on the workers as futures
+  dagdiff-values `step.compute(params, x, t)`: the same step with the loss and the grads
+                 gathered to the client as values, as `jax.value_and_grad` gives them (each
+                 worker's outputs come back in one task)
   dagdiff-zbh1   the `dagdiff` row with schedule="zb-h1" (the backward split into input and
                  weight gradients), on the same cluster, whatever --schedule says
   dagdiff-adam   `dd.Trainer(loss_fn, optax.adam(1e-3), ...)`: `trainer.step` + loss.result()
@@ -66,7 +69,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-SYSTEMS = ("jax", "jax-adam", "torch", "torch-gpipe", "torch-adam", "dagdiff", "dagdiff-zbh1",
+SYSTEMS = ("jax", "jax-adam", "torch", "torch-gpipe", "torch-adam", "dagdiff", "dagdiff-values",
+           "dagdiff-zbh1",
            "dagdiff-unfused", "dagdiff-adam", "dagdiff-fit", "dagdiff-fit8", "bound")
 TOP_PAD = "67108864"
 TRIM = "MALLOC_TRIM_THRESHOLD_"
@@ -340,6 +344,32 @@ def run_dagdiff(client: Any, cfg: Cfg, schedule: str) -> Result:
     return out
 
 
+def run_dagdiff_values(client: Any, cfg: Cfg, schedule: str) -> Result:
+    """dd.value_and_grad pipeline through `step.compute`: per step trace + build + compute,
+    the loss and every gradient leaf back on the client as values."""
+    import jax.numpy as jnp
+
+    params_np, batches_np = make_data(cfg)
+    params = [{"w": jnp.asarray(w), "b": jnp.asarray(b)} for w, b in params_np]
+    batches = [(jnp.asarray(x), jnp.asarray(t)) for x, t in batches_np]
+    from timing import time_steps
+
+    step = dd_value_and_grad(cfg, schedule)
+
+    def one(i: int, batch: Any) -> Any:
+        loss, _ = step.compute(params, *batch, client=client)
+        return loss
+
+    return Result(*time_steps(one, batches, cfg.warmup))
+
+
+def dd_value_and_grad(cfg: Cfg, schedule: str) -> Any:
+    """The benchmark's `dd.value_and_grad` step."""
+    import dagdiff as dd
+
+    return dd.value_and_grad(_dd_loss, microbatches=cfg.microbatches, schedule=schedule)
+
+
 def run_dagdiff_adam(client: Any, cfg: Cfg, schedule: str) -> Result:
     """dd.Trainer with optax.adam: trainer.step + loss.result() per step."""
     import jax.numpy as jnp
@@ -572,6 +602,9 @@ def main() -> None:
                                   *(1e3 * sp[k] for k in ("head", "span", "tail", "outside")),
                                   ", ".join(f"{1e3 * b:.1f}" for b in sp["busy"])),
                               flush=True)
+                elif s == "dagdiff-values":
+                    res[s] = run_dagdiff_values(client, cfg, a.schedule)
+                    show(s, f"dagdiff step.compute {a.schedule} (values), 2 workers")
                 elif s == "dagdiff-zbh1":
                     res[s] = run_dagdiff(client, cfg, "zb-h1")
                     show(s, "dagdiff value_and_grad zb-h1, 2 workers")
@@ -607,6 +640,8 @@ def main() -> None:
     for dd_row, peer, label in (("dagdiff", "torch", "dagdiff / torch 1F1B"),
                                 ("dagdiff", "torch-gpipe", "dagdiff / torch GPipe"),
                                 ("dagdiff", "jax", "dagdiff / jax.jit"),
+                                ("dagdiff-values", "torch", "dagdiff step.compute / torch 1F1B"),
+                                ("dagdiff-values", "dagdiff", "step.compute / value_and_grad"),
                                 ("dagdiff-zbh1", "dagdiff",
                                  f"dagdiff zb-h1 / dagdiff {a.schedule}"),
                                 ("dagdiff-zbh1", "torch", "dagdiff zb-h1 / torch 1F1B"),

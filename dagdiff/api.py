@@ -88,11 +88,10 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
         client = client if client is not None else current_client()
         for attempt in range(retries + 1):
             built = build(fn, args, kwargs, options, client)
-            out = built.outputs()
             if client is None:
-                return dask.compute(*out)
+                return dask.compute(*built.outputs())
             try:
-                return tuple(client.compute(list(out), sync=True))
+                return built.values(client)
             except Exception as error:                 # noqa: BLE001 - classified below
                 gone = (lost_workers(client, built.targets.worker_addresses(),
                                      wait=10.0 if may_be_a_lost_worker(error) else 0.0)
@@ -102,7 +101,7 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
                 log.warning("dagdiff: %s lost worker(s) %s (%s); building and running it "
                             "again", getattr(fn, "__name__", "the step"), ", ".join(gone),
                             type(error).__name__)
-                del out, built                          # let go of the failed step
+                del built                               # let go of the failed step
                 # built again for the workers there now: a lost worker's stages run on
                 # the live ones (no waiting for its replacement), unless none is left
                 forget_workers(client)

@@ -541,3 +541,50 @@ def test_fit_in_windows_runs_k_steps_as_one_task_per_worker(client2: Any,
     np.testing.assert_allclose(losses + more, losses1, rtol=1e-6)
     with pytest.raises(dd.ArgumentError, match="window"):
         tr.fit(batches, state=state, progress=False, window=0)
+
+
+def _aux_loss(params: Any, scale: Any, x: Any, t: Any) -> Any:
+    with dd.stage(0):
+        h = _linear(params[0], x)
+    with dd.stage(1):
+        y = _linear(params[1], h)
+        return _mse(y, t) * scale["s"], {"y": y}
+
+
+@pytest.mark.distributed
+def test_step_compute_gathers_each_workers_outputs_in_one_task(client2: Any,
+                                                               monkeypatch: Any) -> None:
+    """`step.compute` (values on the client): the graph it submits has one task per
+    worker returning that worker's outputs (not one task per gradient leaf), the values
+    equal `jax.value_and_grad`'s (aux per microbatch, two differentiated arguments, a
+    leaf that is not differentiated), and computing the same step twice gives them
+    again."""
+    import dagdiff.build as build_module
+    from dagdiff.runtime.direct.graph import _output, _outputs_of
+
+    graphs = _spy_graphs(monkeypatch, build_module)
+    params, batches = _two_stage_job(3, 1)
+    x, t = batches[0]
+    scale = {"s": jnp.asarray(1.5), "n": 3}
+    step = dd.value_and_grad(_aux_loss, argnums=(0, 1), has_aux=True, microbatches=2,
+                             schedule="1f1b")
+    for _ in range(2):                               # the same step twice: a new run
+        (loss, aux), (g_params, g_scale) = step.compute(params, scale, x, t, client=client2)
+        tasks = [v for v in graphs[-1].values() if hasattr(v, "func")]
+        assert not any(v.func is _output for v in tasks)
+        groups = [v for v in tasks if v.func is _outputs_of]
+        # the loss, 2 microbatches' aux, 3 gradient leaves
+        assert len(groups) == 2 and sum(v.args[1] for v in groups) == 1 + 2 + 3
+        assert len(tasks) == 1 + 2 + 2                   # nonce, programs, a group each
+        halves = [_aux_loss(params, scale, x[:4], t[:4]), _aux_loss(params, scale, x[4:],
+                                                                     t[4:])]
+        want, want_g = jax.value_and_grad(
+            lambda p, s: (_aux_loss(p, s, x[:4], t[:4])[0]
+                          + _aux_loss(p, s, x[4:], t[4:])[0]) / 2, argnums=(0, 1))(
+            params, {"s": scale["s"]})
+        np.testing.assert_allclose(loss, want, rtol=1e-6)
+        close(g_params, want_g[0])
+        np.testing.assert_allclose(g_scale["s"], want_g[1]["s"], rtol=1e-6)
+        assert g_scale["n"] is None
+        for got, (_, a) in zip(aux, halves):
+            np.testing.assert_allclose(got["y"], a["y"], rtol=1e-6)

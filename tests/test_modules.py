@@ -69,6 +69,21 @@ def nnx_ref(model: Any, x: Any, t: Any) -> Any:
     return jnp.mean((model(x) - t) ** 2)
 
 
+@pytest.mark.distributed
+def test_step_compute_on_a_cluster_gives_an_nnx_models_grads_as_an_nnx_state(
+        client2: Any) -> None:
+    """`step.compute` on a cluster (direct dispatch: each worker's outputs gathered in one
+    task) gives the gradients in the module's own form, equal to nnx.value_and_grad's."""
+    model, x, t = Net(nnx.Rngs(0)), rand(1, (8, D)), rand(2, (8, D))
+    want_loss, want = nnx.value_and_grad(nnx_ref)(model, x, t)
+    step = dd.value_and_grad(nnx_loss, microbatches=4, schedule="1f1b")
+    got_loss, got = step.compute(model, x, t, client=client2)
+    assert isinstance(got, nnx.State)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("pipeline", [{}, {"microbatches": 4, "schedule": "1f1b"}])
 def test_nnx_model_grads_are_an_nnx_state_equal_to_nnx_value_and_grad(pipeline: Any) -> None:
     model, x, t = Net(nnx.Rngs(0)), rand(1, (8, D)), rand(2, (8, D))

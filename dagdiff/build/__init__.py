@@ -46,7 +46,7 @@ from ..runtime.shippable import check_shippable
 from .heap import freeze_heap, without_gc
 from .options import DISPATCH_MODES, LOWERING_SETTINGS, Options
 from .step import (Binding, Source, StepTasks, WindowError, chain_steps, compile_step,
-                   lower_replicas, replace_stages, window_graph)
+                   gather_graph, lower_replicas, replace_stages, window_graph)
 
 
 __all__ = [
@@ -55,7 +55,8 @@ __all__ = [
     "resolve_dispatch", "step_token", "program_homes", "DISPATCH_MODES", "LOWERING_SETTINGS",
     # the pipelined core the Trainer extends (`step`), and the collector policy (`heap`)
     "Binding", "StepTasks", "compile_step", "lower_replicas", "replace_stages",
-    "chain_steps", "Source", "window_graph", "WindowError", "without_gc", "freeze_heap",
+    "chain_steps", "Source", "window_graph", "WindowError", "gather_graph", "without_gc",
+    "freeze_heap",
     # what the Trainer needs from the layers below, through this package
     "OutKey", "to_delayed", "stage_workers", "pinned", "templates",
 ]
@@ -103,19 +104,39 @@ class Build:
     def outputs(self) -> tuple[Any, Any]:
         """What `value_and_grad` returns: ``(loss, grads)`` (``((loss, aux), grads)`` with
         has_aux), Delayed objects over the one graph."""
-        lk, ak, gk = to_delayed(self.graph, self.keys)
+        return self._shaped(to_delayed(self.graph, self.keys), delayed=True)
+
+    def values(self, client: Any) -> tuple[Any, Any]:
+        """`outputs` computed now on `client`, as values. With direct dispatch each
+        worker's outputs come back in one task (`gather_graph`), not one task each."""
+        keys = [str(k) for k in jax.tree_util.tree_leaves(self.keys) if isinstance(k, OutKey)]
+        graph, where = (gather_graph(self.graph, keys) if self.dispatch == "direct"
+                        else (self.graph, {k: (k, None) for k in keys}))
+        wanted = list(dict.fromkeys(src for src, _ in where.values()))
+        got = dict(zip(wanted, client.compute(to_delayed(graph, [OutKey(k) for k in wanted]),
+                                              sync=True)))
+        values = {k: got[src] if i is None else got[src][i] for k, (src, i) in where.items()}
+        return self._shaped(jax.tree_util.tree_map(
+            lambda k: values[str(k)] if isinstance(k, OutKey) else k, self.keys,
+            is_leaf=lambda x: x is None), delayed=False)
+
+    def _shaped(self, outs: tuple[Any, Any, Any], delayed: bool) -> tuple[Any, Any]:
+        """(loss, aux, grads) as `value_and_grad` gives them: grads in the form of each
+        differentiated argument (`delayed`: Delayed leaves, `_user_form`)."""
+        lk, ak, gk = outs
         forms = self.model.forms
-        gk = [_user_form(g, forms.get(i)) for i, g in zip(self.model.argnums, gk)]
+        gk = [_user_form(g, forms.get(i), delayed) for i, g in zip(self.model.argnums, gk)]
         grads = gk[0] if isinstance(self.options.argnums, int) else tuple(gk)
         return ((lk, ak) if self.options.has_aux else lk), grads
 
 
-def _user_form(grads: Any, form: ModelForm | None) -> Any:
+def _user_form(grads: Any, form: ModelForm | None, delayed: bool = True) -> Any:
     """One argument's gradients as the user gave the argument: a module's in its library's
-    form; pytrees Dask cannot walk into (modules, registered classes) as a `DelayedTree`."""
+    form; with Delayed leaves, pytrees Dask cannot walk into (modules, registered
+    classes) as a `DelayedTree`."""
     if form is not None:
         grads = form.grads(grads)
-    return DelayedTree(grads) if needs_collection(grads) else grads
+    return DelayedTree(grads) if delayed and needs_collection(grads) else grads
 
 
 def trace_model(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],

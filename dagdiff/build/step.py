@@ -22,12 +22,13 @@ from ..lowering import template as templates
 from ..lowering.graph import assemble, assemble_direct, direct_layer
 from ..lowering.memory import check_memory
 from ..lowering.pipeline import PipelineGraph, lower_pipeline
-from ..runtime.direct.graph import Source, WindowError, chain_step, merge_window
+from ..runtime.direct.graph import (Source, WindowError, chain_step, group_outputs,
+                                    merge_window)
 from .options import Options
 
 
 __all__ = ["StepTasks", "Binding", "lower_replicas", "compile_step", "replace_stages",
-           "chain_steps", "Source", "window_graph", "WindowError"]
+           "chain_steps", "Source", "window_graph", "WindowError", "gather_graph"]
 
 
 @dataclass(frozen=True)
@@ -169,16 +170,45 @@ def window_graph(graphs: Sequence[HighLevelGraph], loss_keys: Sequence[str],
     layers = [g.layers[next(iter(g.layers))] for g in graphs]
     dsks = [dict(layer.mapping) for layer in layers]
     new, takes = merge_window(dsks, list(loss_keys), [list(k) for k in state_keys])
+    return _relayer(f"dagdiff-window-{str(loss_keys[-1]).rsplit('-', 1)[-1]}", new, takes,
+                    layers)
+
+
+def gather_graph(graph: HighLevelGraph, keys: Sequence[str]
+                 ) -> tuple[HighLevelGraph, dict[str, tuple[str, int | None]]]:
+    """A direct-dispatch step's graph for a caller that gathers the outputs `keys` at
+    once (`step.compute`): each worker's outputs as one task returning them as a tuple
+    (`dagdiff.runtime.direct.graph.group_outputs`). Returns the graph and, per key of
+    `keys`, (the key to compute, its index in that task's tuple, or None: the value
+    itself). A graph that is not one direct-dispatch layer comes back as it is."""
+    plain: dict[str, tuple[str, int | None]] = {k: (k, None) for k in keys}
+    if len(graph.layers) != 1:
+        return graph, plain
+    (name, layer), = graph.layers.items()
+    dsk = dict(layer.mapping)
+    new, takes, where = group_outputs(dsk, keys)
+    if not new:
+        return graph, plain
+    for key in where:
+        del dsk[key]
+    dsk.update(new)
+    takes = {**{k: k for k in dsk if k not in new}, **takes}
+    return _relayer(f"{name}-gathered", dsk, takes, [layer]), {**plain, **where}
+
+
+def _relayer(name: str, dsk: Mapping[str, Any], takes: Mapping[str, str],
+             layers: Sequence[Any]) -> HighLevelGraph:
+    """`dsk` as one direct-dispatch layer, each task placed and ranked as the task of
+    `layers` that `takes` names for it (tasks it does not name: unplaced)."""
     priority: dict[str, int] = {}
     where: dict[str, str] = {}
     slots = "resources" in layers[0].annotations
     for key, old in takes.items():
-        layer = next(layer for layer, dsk in zip(layers, dsks) if old in dsk)
+        layer = next(layer for layer in layers if old in layer.mapping)
         p = layer.annotations["priority"](old)
         if p is not None:
             priority[key] = p
         spot = layer.annotations["resources" if slots else "workers"](old)
         if spot:
             where[key] = next(iter(spot))
-    return direct_layer(f"dagdiff-window-{str(loss_keys[-1]).rsplit('-', 1)[-1]}", new,
-                        priority, where, slots)
+    return direct_layer(name, dsk, priority, where, slots)

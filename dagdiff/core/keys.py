@@ -35,6 +35,7 @@ PHASES: dict[str, str] = {
     "state": "state",
     "done": "done",
     "prog": "program",
+    "outs": "outputs",
     "run": "run",
     "backup": "backup",
 }
