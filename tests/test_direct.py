@@ -588,3 +588,36 @@ def test_step_compute_gathers_each_workers_outputs_in_one_task(client2: Any,
         assert g_scale["n"] is None
         for got, (_, a) in zip(aux, halves):
             np.testing.assert_allclose(got["y"], a["y"], rtol=1e-6)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("seconds,size", [(60.0, 8), (1e-6, 1)])
+def test_fit_chooses_its_window_from_the_first_steps_times(client2: Any, monkeypatch: Any,
+                                                           seconds: float, size: int) -> None:
+    """`trainer.fit` (window="auto", the default): the first steps go one by one; then a
+    window spans about dask config ``dagdiff.fit.window-seconds`` of steps, at most 8:
+    with a minute, windows of 8 from then on; with a microsecond, every step alone. The
+    losses and parameters equal plain JAX + optax either way."""
+    import optax
+
+    import dagdiff.train.window as window_module
+    from dagdiff.runtime.direct.runtime import run_programs
+
+    graphs = _spy_graphs(monkeypatch, window_module)
+    params, batches = _two_stage_job(4, 24)
+    opt = optax.sgd(0.05)
+    tr = dd.Trainer(_two_stage_loss, opt, microbatches=2, schedule="1f1b", client=client2)
+    with dask.config.set({"dagdiff.fit.window-seconds": seconds}):
+        state, losses = tr.fit(batches, params=params, progress=False)
+    # the windows submitted (steps alone are not): each with one task per worker
+    sizes = [[t.args[1] for t in g.values() if getattr(t, "func", None) is run_programs]
+             for g in graphs]
+    if size == 1:
+        assert sizes == []
+    else:
+        # steps 0-6 alone (step 6's submission waits for the fifth step's end: the first,
+        # with compilation, then 3 gaps timed), then 7-14 and 15-22, then 23 alone
+        assert sizes == [[8, 8], [8, 8]]
+    p, want = _optax_reference(opt, params, batches)
+    np.testing.assert_allclose(losses, want, rtol=1e-5)
+    close(tr.params(state), p)

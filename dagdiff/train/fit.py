@@ -9,6 +9,8 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
+import dask
+
 from ..cluster.info import (
     forget_workers,
     lost_workers,
@@ -17,15 +19,49 @@ from ..cluster.info import (
 from ..errors import ArgumentError, LostStateError, TrainerError, WorkerLostError
 from .recovery import Recovery
 from .state import TrainState
-from .window import submit_window
+from .window import can_share, submit_window
 
 if TYPE_CHECKING:
     from .trainer import Trainer
 
 
-__all__ = ["FitRun", "InFlight", "NoBar"]
+__all__ = ["FitRun", "InFlight", "NoBar", "AutoWindow"]
 
 log = logging.getLogger(__name__)
+
+
+class AutoWindow:
+    """``window="auto"``: how many steps `fit` submits as one computation. The first
+    steps go one by one; from the time between the ends of the steps after the first
+    (compilation) the window is chosen so that one spans about `seconds` (dask config
+    ``dagdiff.fit.window-seconds``, default 0.2 s), at most `most` (8) steps: where a
+    step is mostly Dask's fixed cost, windows amortize it; where a step takes longer
+    than `seconds`, steps stay one by one. A window's steps end together, so the loss
+    and progress bar move every `seconds`, and a failure runs at most that much again."""
+
+    #: finished steps timed before choosing (the first, with compilation, is not counted)
+    TIMED = 3
+
+    def __init__(self, seconds: float | None = None, most: int = 8) -> None:
+        self.seconds = float(dask.config.get("dagdiff.fit.window-seconds", 0.2)
+                             if seconds is None else seconds)
+        self.most = most
+        self.size = 1
+        self.chosen = False
+        self._ends: list[float] = []
+
+    def step_ended(self) -> None:
+        """One more step ended (in order): time it, and choose once enough have."""
+        if self.chosen:
+            return
+        self._ends.append(time.perf_counter())
+        if len(self._ends) > self.TIMED + 1:
+            gaps = [b - a for a, b in zip(self._ends[1:], self._ends[2:])]
+            per_step = sorted(gaps)[len(gaps) // 2]
+            self.size = max(1, min(self.most, int(self.seconds / max(per_step, 1e-6))))
+            self.chosen = True
+            log.info("dagdiff: Trainer.fit: %.1f ms per step, window=%d", 1e3 * per_step,
+                     self.size)
 
 
 @dataclass(frozen=True)
@@ -64,11 +100,13 @@ class FitRun:
     or on Ctrl-C (keep the finished steps)."""
 
     def __init__(self, trainer: "Trainer", state: TrainState, bar: Any,
-                 window: int = 1) -> None:
+                 window: int | str = 1) -> None:
         self.trainer = trainer
         self.bar = bar
+        #: ``window="auto"``: chooses `window` from the first steps' times
+        self.auto = AutoWindow() if window == "auto" and can_share(trainer) else None
         #: steps submitted as one computation (`dagdiff.train.window`)
-        self.window = window
+        self.window: int = 1 if window == "auto" else int(window)
         self.pending: list[InFlight] = []
         self.losses: list[float] = []
         #: the last state whose step ended
@@ -192,6 +230,9 @@ class FitRun:
                 self.base = history[anchors[-2]][1]  # type: ignore[assignment]
                 del history[:anchors[-2] + 1]
         self.retries = 0
+        if self.auto is not None:
+            self.auto.step_ended()
+            self.window = self.auto.size
         if entry.recovery is not None:
             tr.recoveries.append(dataclasses.replace(
                 entry.recovery, seconds=time.monotonic() - entry.recovery.seconds))

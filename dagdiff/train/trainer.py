@@ -353,7 +353,8 @@ class Trainer(StepGraph, Restoring):
 
     def fit(self, batches: Iterable[Sequence[Any]], steps: int | None = None,
             progress: bool | None = None, state: TrainState | None = None,
-            params: Any = None, window: int = 1) -> tuple[TrainState, list[float]]:
+            params: Any = None, window: int | str = "auto"
+            ) -> tuple[TrainState, list[float]]:
         """Run `steps` steps (default: all batches) from `state` (default: the latest state
         of this trainer, from `init` or `step`; or `init(params)` when given), submitting
         ahead. Returns (state, losses). `progress`: a tqdm bar with the loss (True; the
@@ -361,8 +362,10 @@ class Trainer(StepGraph, Restoring):
         `window`: steps submitted as one Dask computation (one program task per worker
         for them all, their losses as one output: `dagdiff.train.window`), two windows in
         flight; larger windows cost Dask less per step, and a failure runs the whole
-        window again. Steps that cannot share one (replicas > 1, dispatch="scheduler")
-        go one by one.
+        window again. "auto" (the default) times the first steps and makes a window span
+        about 0.2 s (dask config ``dagdiff.fit.window-seconds``), at most 8 steps: short
+        steps share windows, steps longer than that go one by one (`fit.AutoWindow`).
+        Steps that cannot share one (replicas > 1, dispatch="scheduler") go one by one.
 
         A step that fails because a worker was lost (or restarted) runs again at once on
         the live workers (the lost worker's stages on a survivor until its replacement
@@ -371,8 +374,10 @@ class Trainer(StepGraph, Restoring):
         live worker first (``recover=True``, at most `max_retries` times
         per step): `fit` returns what an undisturbed run returns. Each recovery is in
         `trainer.recoveries`. Any other error is raised as it is."""
-        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-            raise ArgumentError(f"Trainer.fit: window must be an int >= 1, got {window!r}")
+        if not (window == "auto" if isinstance(window, str) else
+                isinstance(window, int) and not isinstance(window, bool) and window >= 1):
+            raise ArgumentError(f"Trainer.fit: window must be an int >= 1 or 'auto', got "
+                                f"{window!r}")
         if params is not None and state is None:
             state = self.init(params)
         if state is None:

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from .trainer import Trainer
 
 
-__all__ = ["submit_window"]
+__all__ = ["submit_window", "can_share"]
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +39,7 @@ def submit_window(trainer: "Trainer", state: TrainState, batches: Sequence[Seque
     one; per step, (the state it makes, its loss). Only the last state is one a client
     can hold and step from; the others stand for it in `fit`'s bookkeeping."""
     tr = trainer
-    if (len(batches) < 2 or tr.client is None or tr.replicas != 1
-            or not dask.config.get("dagdiff.direct.chain-steps", True)):
+    if len(batches) < 2 or not can_share(tr):
         out, now = [], state
         for b in batches:
             now, loss = tr.step(now, *b)
@@ -72,6 +71,14 @@ def submit_window(trainer: "Trainer", state: TrainState, batches: Sequence[Seque
         else:
             out.append((_inside(tr, pre, loss), loss))
     return out
+
+
+def can_share(trainer: "Trainer") -> bool:
+    """Whether `trainer`'s steps can share a window (else each is submitted alone): one
+    replica, a cluster, steps chained on the workers, and not dispatch="scheduler"."""
+    return (trainer.client is not None and trainer.replicas == 1
+            and trainer.options.dispatch != "scheduler"
+            and bool(dask.config.get("dagdiff.direct.chain-steps", True)))
 
 
 def _inside(tr: "Trainer", pre: "Prepared", loss: Any = None) -> TrainState:
