@@ -9,7 +9,8 @@ steps of:
                   loss and every gradient leaf), and the wait for them: the three parts and
                   the whole step;
   trainer.step    `state, loss = trainer.step(state, x, t); loss.result()` (sgd);
-  fit             `trainer.fit` over --steps batches (two steps in flight): per step.
+  fit             `trainer.fit` over --steps batches (two steps in flight, its default
+                  window="auto"): per step.
 Then the ratio templates / lowering of each, and the client's time in the cyclic garbage
 collector per step. A real job's compute adds to the wait only.
 

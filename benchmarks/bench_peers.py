@@ -19,7 +19,9 @@ Systems (--systems, default all that are installed):
                  last stage's forward and backward as two jitted calls, as before 2026-12-01)
   dagdiff-fit8   `trainer.fit(batches, window=8)`: the same fit, 8 steps per Dask
                  computation (one program task per worker for 8 steps)
-  dagdiff-fit    the same Trainer's own loop, `trainer.fit(batches)` (steps submitted ahead):
+  dagdiff-fitauto  `trainer.fit(batches)` with its default window="auto" (timed on the
+                 first steps: a window spans ~0.2 s of steps, at most 8)
+  dagdiff-fit    the same Trainer's own loop, `trainer.fit(batches, window=1)` (steps submitted ahead):
                  per step = the fit's time / its steps (median of 3 fits after a warm-up fit)
   torch          torch.distributed.pipelining `Schedule1F1B`, 2 gloo processes
                  (torch.multiprocessing), 1 thread each; the loss stays on the last rank
@@ -71,7 +73,8 @@ import numpy as np
 
 SYSTEMS = ("jax", "jax-adam", "torch", "torch-gpipe", "torch-adam", "dagdiff", "dagdiff-values",
            "dagdiff-zbh1",
-           "dagdiff-unfused", "dagdiff-adam", "dagdiff-fit", "dagdiff-fit8", "bound")
+           "dagdiff-unfused", "dagdiff-adam", "dagdiff-fit", "dagdiff-fit8", "dagdiff-fitauto",
+           "bound")
 TOP_PAD = "67108864"
 TRIM = "MALLOC_TRIM_THRESHOLD_"
 MALLOC_CHOICES = ("default", "toppad", "distributed", "unset")
@@ -396,7 +399,7 @@ def run_dagdiff_adam(client: Any, cfg: Cfg, schedule: str) -> Result:
     return out
 
 
-def run_dagdiff_fit(client: Any, cfg: Cfg, schedule: str, window: int = 1) -> Result:
+def run_dagdiff_fit(client: Any, cfg: Cfg, schedule: str, window: int | str = 1) -> Result:
     """dd.Trainer.fit with optax.adam over the steps (it submits steps ahead, so one step's
     start overlaps the previous one's end): the time per step of the whole fit, after a
     warm-up fit; each entry of `times` is one fit's total / its steps."""
@@ -619,6 +622,9 @@ def main() -> None:
                 elif s == "dagdiff-fit8":
                     res[s] = run_dagdiff_fit(client, cfg, a.schedule, window=8)
                     show(s, f"dagdiff Trainer.fit window=8 {a.schedule} + adam (per step)")
+                elif s == "dagdiff-fitauto":
+                    res[s] = run_dagdiff_fit(client, cfg, a.schedule, window="auto")
+                    show(s, f"dagdiff Trainer.fit window=auto {a.schedule} + adam (per step)")
                 else:
                     res[s] = run_dagdiff_fit(client, cfg, a.schedule)
                     show(s, f"dagdiff Trainer.fit {a.schedule} + adam (per step, 3 fits)")
@@ -651,7 +657,10 @@ def main() -> None:
                                 ("dagdiff-fit", "torch-adam", "dagdiff fit / torch + Adam"),
                                 ("dagdiff-fit8", "torch-adam",
                                  "dagdiff fit window=8 / torch + Adam"),
-                                ("dagdiff-fit8", "dagdiff-fit", "fit window=8 / window=1")):
+                                ("dagdiff-fit8", "dagdiff-fit", "fit window=8 / window=1"),
+                                ("dagdiff-fitauto", "torch-adam",
+                                 "dagdiff fit window=auto / torch + Adam"),
+                                ("dagdiff-fitauto", "dagdiff-fit", "fit window=auto / window=1")):
         ratios = [r[dd_row].median / r[peer].median for r in rounds if dd_row in r and peer in r]
         if ratios:
             each = (" [" + ", ".join(f"{x:.2f}" for x in ratios) + "]") if len(ratios) > 1 else ""
