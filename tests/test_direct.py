@@ -648,3 +648,25 @@ def test_fit_windows_with_replicas_average_each_steps_loss_across_workers(
     p, want = _optax_reference(opt, params, batches)
     np.testing.assert_allclose(losses, want, rtol=1e-5)
     close(tr.params(state), p)
+
+
+@pytest.mark.distributed
+def test_a_windows_steps_keep_their_losses_once_one_step_took_them(client2: Any) -> None:
+    """The losses of a window's steps come from one output: once a step took them, the
+    other steps' losses read them from there, even when Dask lost that output since (its
+    worker removed: the future goes back to pending and `fit` cancels it). Before, the
+    second step of the window then failed and `fit` tried to restore a state made inside
+    the window."""
+    from dagdiff.train.recovery import WindowLoss
+
+    fut = client2.submit(lambda: (1.5, 2.5, 3.5), key="window-losses-test", pure=False)
+    got: list[Any] = []
+    first, second = (WindowLoss(fut.key, client2, 7 + i, (), i, got) for i in range(2))
+    assert first.result(timeout=30) == 1.5
+    client2.cancel([fut])
+    with pytest.raises(Exception):
+        fut.result(timeout=30)
+    assert second.result(timeout=30) == 2.5
+    alone = WindowLoss(fut.key, client2, 9, (), 2)    # not sharing them: the cancelled key
+    with pytest.raises(Exception):
+        alone.result(timeout=30)

@@ -128,15 +128,20 @@ class StepLoss(Future):
 class WindowLoss(StepLoss):
     """The loss of step `index` of a window of steps submitted as one computation
     (`Trainer.fit(window=)`): a `StepLoss` of the window's output (the window's losses),
-    whose `result` is this step's."""
+    whose `result` is this step's. The window's steps share `got`: once one of them has
+    the losses, the others read them there (the output's worker may be lost after the
+    first step took its loss: its steps ended, and their losses must not fail then)."""
 
     def __init__(self, key: Any, client: Any, step: int, workers: Collection[str],
-                 index: int) -> None:
+                 index: int, got: list[Any] | None = None) -> None:
         super().__init__(key, client, step, workers)
         self.index = index
+        self.got = got if got is not None else []
 
     def result(self, timeout: float | None = None) -> Any:
-        return super().result(timeout)[self.index]
+        if not self.got:
+            self.got.append(super().result(timeout))
+        return self.got[0][self.index]
 
 
 _PENDING: "weakref.WeakKeyDictionary[Any, weakref.WeakSet[StepLoss]]" = \

@@ -21,6 +21,7 @@ from ..cluster.info import (
 from ..cluster.targets import Targets
 from ..core.keys import make_key
 from ..errors import ArgumentError, LostStateError, TrainerError
+from ..runtime.taskspec import TaskRef
 from .recovery import ClientCopy, Lineage, Recovery, copy_task, lost_values, restore
 from .state import TrainState, state_identity
 from .step_graph import StepModel, stage_address
@@ -382,6 +383,8 @@ class Restoring:
         for start, replay in candidates:
             if not start.is_placed:               # the first step: it is placed again
                 return start, replay, ()
+            if any(isinstance(v, TaskRef) for v in start.placed.values()):  # type: ignore
+                continue                          # made inside a window: no Dask values
             model = self._model(entry.batch)
             try:
                 restored, done = self._restored(start, model, ask=True)
@@ -390,5 +393,6 @@ class Restoring:
                 first = first or e
                 continue
             return restored, replay, done
-        assert first is not None
-        raise first
+        raise first or LostStateError(
+            f"step {entry.before.step}: no state to go back to (each one was made inside a "
+            "window of steps); run fit with window=1")

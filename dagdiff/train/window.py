@@ -63,9 +63,10 @@ def submit_window(trainer: "Trainer", state: TrainState, batches: Sequence[Seque
     freeze_heap(tr.client)
     last = pres[-1]
     values = tr.client.compute(to_delayed(graph, last.out_keys))
-    out = []
+    out: list[tuple[TrainState, Any]] = []
+    got: list[Any] = []                       # the window's losses, once one step has them
     for i, pre in enumerate(pres):
-        loss = WindowLoss(values[0].key, tr.client, pre.state.step, last.workers, i)
+        loss = WindowLoss(values[0].key, tr.client, pre.state.step, last.workers, i, got)
         if pre is last:
             out.append((tr._finish(pre, loss, values[1:], lineages[-1]), loss))
         else:
