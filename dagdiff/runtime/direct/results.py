@@ -56,21 +56,18 @@ class ProgramResult(dict):  # type: ignore[type-arg]
 
 class Export:
     """In an output task's arguments: the value of action `key` from its own worker's
-    program result (resolved by the output task, see `dagdiff.runtime.direct.graph`), or
-    from the result at index `at` among those the task reads (a window's loss averaged
-    over replicas on other workers)."""
+    program result (resolved by the output task, see `dagdiff.runtime.direct.graph`)."""
 
-    __slots__ = ("key", "at")
+    __slots__ = ("key",)
 
-    def __init__(self, key: str, at: int = -1) -> None:
+    def __init__(self, key: str) -> None:
         self.key = key
-        self.at = at
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (Export, (self.key, self.at))
+        return (Export, (self.key,))
 
     def __repr__(self) -> str:
-        return f"Export({self.key!r})" if self.at < 0 else f"Export({self.key!r}, at={self.at})"
+        return f"Export({self.key!r})"
 
 
 class LocalImport:
