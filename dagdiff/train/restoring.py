@@ -356,7 +356,11 @@ class Restoring:
 
     def _has_copy(self, state: TrainState) -> bool:
         """Whether every value of `state` has a second copy on another worker: another
-        replica's on a different worker, or a copy step's."""
+        replica's on a different worker, or a copy step's. A state made inside a window of
+        steps has no values a client can hold (its values are the next program's to
+        read), so it has none."""
+        if _inside_window(state):
+            return False
         backup, where = state.backup or {}, state.where or {}
         for r, g in state.placed or {}:
             if hasattr(backup.get((r, g)), "key") or isinstance(backup.get((r, g)), ClientCopy):
@@ -383,8 +387,8 @@ class Restoring:
         for start, replay in candidates:
             if not start.is_placed:               # the first step: it is placed again
                 return start, replay, ()
-            if any(isinstance(v, TaskRef) for v in start.placed.values()):  # type: ignore
-                continue                          # made inside a window: no Dask values
+            if _inside_window(start):            # no values to restore from
+                continue
             model = self._model(entry.batch)
             try:
                 restored, done = self._restored(start, model, ask=True)
@@ -396,3 +400,9 @@ class Restoring:
         raise first or LostStateError(
             f"step {entry.before.step}: no state to go back to (each one was made inside a "
             "window of steps); run fit with window=1")
+
+
+def _inside_window(state: TrainState) -> bool:
+    """Whether `state` was made inside a window of steps (`dagdiff.train.window`): its
+    values are names the window's next program reads, not Dask values."""
+    return any(isinstance(v, TaskRef) for v in (state.placed or {}).values())
