@@ -12,6 +12,9 @@ Systems (--systems, default all that are installed):
   dagdiff-values `step.compute(params, x, t)`: the same step with the loss and the grads
                  gathered to the client as values, as `jax.value_and_grad` gives them (each
                  worker's outputs come back in one task)
+  dagdiff-gather `client.compute([loss, grads], sync=True)`: the same values gathered by
+                 hand (a task per gradient leaf, and one building the grads' pytree; what
+                 `step.compute` did before 2026-12-06)
   dagdiff-zbh1   the `dagdiff` row with schedule="zb-h1" (the backward split into input and
                  weight gradients), on the same cluster, whatever --schedule says
   dagdiff-adam   `dd.Trainer(loss_fn, optax.adam(1e-3), ...)`: `trainer.step` + loss.result()
@@ -72,7 +75,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 SYSTEMS = ("jax", "jax-adam", "torch", "torch-gpipe", "torch-adam", "dagdiff", "dagdiff-values",
-           "dagdiff-zbh1",
+           "dagdiff-gather", "dagdiff-zbh1",
            "dagdiff-unfused", "dagdiff-adam", "dagdiff-fit", "dagdiff-fit8", "dagdiff-fitauto",
            "bound")
 TOP_PAD = "67108864"
@@ -347,9 +350,10 @@ def run_dagdiff(client: Any, cfg: Cfg, schedule: str) -> Result:
     return out
 
 
-def run_dagdiff_values(client: Any, cfg: Cfg, schedule: str) -> Result:
+def run_dagdiff_values(client: Any, cfg: Cfg, schedule: str, by_hand: bool = False) -> Result:
     """dd.value_and_grad pipeline through `step.compute`: per step trace + build + compute,
-    the loss and every gradient leaf back on the client as values."""
+    the loss and every gradient leaf back on the client as values (`by_hand`: through
+    ``client.compute([loss, grads], sync=True)`` instead)."""
     import jax.numpy as jnp
 
     params_np, batches_np = make_data(cfg)
@@ -360,7 +364,10 @@ def run_dagdiff_values(client: Any, cfg: Cfg, schedule: str) -> Result:
     step = dd_value_and_grad(cfg, schedule)
 
     def one(i: int, batch: Any) -> Any:
-        loss, _ = step.compute(params, *batch, client=client)
+        if by_hand:
+            loss, _ = client.compute(list(step(params, *batch)), sync=True)
+        else:
+            loss, _ = step.compute(params, *batch, client=client)
         return loss
 
     return Result(*time_steps(one, batches, cfg.warmup))
@@ -608,6 +615,9 @@ def main() -> None:
                 elif s == "dagdiff-values":
                     res[s] = run_dagdiff_values(client, cfg, a.schedule)
                     show(s, f"dagdiff step.compute {a.schedule} (values), 2 workers")
+                elif s == "dagdiff-gather":
+                    res[s] = run_dagdiff_values(client, cfg, a.schedule, by_hand=True)
+                    show(s, f"dagdiff client.compute(sync=True) {a.schedule}, 2 workers")
                 elif s == "dagdiff-zbh1":
                     res[s] = run_dagdiff(client, cfg, "zb-h1")
                     show(s, "dagdiff value_and_grad zb-h1, 2 workers")
@@ -648,6 +658,8 @@ def main() -> None:
                                 ("dagdiff", "jax", "dagdiff / jax.jit"),
                                 ("dagdiff-values", "torch", "dagdiff step.compute / torch 1F1B"),
                                 ("dagdiff-values", "dagdiff", "step.compute / value_and_grad"),
+                                ("dagdiff-values", "dagdiff-gather",
+                                 "step.compute / client.compute sync"),
                                 ("dagdiff-zbh1", "dagdiff",
                                  f"dagdiff zb-h1 / dagdiff {a.schedule}"),
                                 ("dagdiff-zbh1", "torch", "dagdiff zb-h1 / torch 1F1B"),

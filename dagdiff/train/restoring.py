@@ -21,7 +21,6 @@ from ..cluster.info import (
 from ..cluster.targets import Targets
 from ..core.keys import make_key
 from ..errors import ArgumentError, LostStateError, TrainerError
-from ..runtime.taskspec import TaskRef
 from .recovery import ClientCopy, Lineage, Recovery, copy_task, lost_values, restore
 from .state import TrainState, state_identity
 from .step_graph import StepModel, stage_address
@@ -359,7 +358,7 @@ class Restoring:
         replica's on a different worker, or a copy step's. A state made inside a window of
         steps has no values a client can hold (its values are the next program's to
         read), so it has none."""
-        if _inside_window(state):
+        if state.in_window:
             return False
         backup, where = state.backup or {}, state.where or {}
         for r, g in state.placed or {}:
@@ -387,7 +386,7 @@ class Restoring:
         for start, replay in candidates:
             if not start.is_placed:               # the first step: it is placed again
                 return start, replay, ()
-            if _inside_window(start):            # no values to restore from
+            if start.in_window:                   # no values to restore from
                 continue
             model = self._model(entry.batch)
             try:
@@ -400,9 +399,3 @@ class Restoring:
         raise first or LostStateError(
             f"step {entry.before.step}: no state to go back to (each one was made inside a "
             "window of steps); run fit with window=1")
-
-
-def _inside_window(state: TrainState) -> bool:
-    """Whether `state` was made inside a window of steps (`dagdiff.train.window`): its
-    values are names the window's next program reads, not Dask values."""
-    return any(isinstance(v, TaskRef) for v in (state.placed or {}).values())

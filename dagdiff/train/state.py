@@ -42,6 +42,10 @@ class TrainState:
     lineage: Lineage | None = dataclasses.field(default=None, repr=False, compare=False)
     #: the loss of the step that made this state (a `StepLoss` Future on a cluster)
     loss: Any = dataclasses.field(default=None, repr=False, compare=False)
+    #: made inside a window of steps (`Trainer.fit(window=)`): `placed` names values the
+    #: window's next program reads in place, which no client holds (nothing to restore
+    #: from or copy; only the window's last state is a usual one)
+    in_window: bool = dataclasses.field(default=False, repr=False, compare=False)
 
     @property
     def trainer(self) -> "Trainer | None":

@@ -88,7 +88,7 @@ def _inside(tr: "Trainer", pre: "Prepared", loss: Any = None) -> TrainState:
     return TrainState(pre.state.step + 1, groups=pre.model.groups, owner=tr._ref,
                       placed={rg: TaskRef(str(k)) for rg, k in zip(pre.order,
                                                                    pre.out_keys[1:])},
-                      where=dict(pre.where), loss=loss)
+                      where=dict(pre.where), loss=loss, in_window=True)
 
 
 def _lineages(tr: "Trainer", start: TrainState, batches: Sequence[Sequence[Any]]
