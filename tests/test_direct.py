@@ -624,6 +624,33 @@ def test_fit_chooses_its_window_from_the_first_steps_times(client2: Any, monkeyp
 
 
 @pytest.mark.distributed
+def test_fit_windows_with_replicas_average_each_steps_loss_across_workers(
+        client4: Any, monkeypatch: Any) -> None:
+    """`trainer.fit(window=4)` with 2 replicas of 2 stages: the windows run (one task per
+    worker for 4 steps), each step's loss is the mean of the replicas' losses, read from
+    the two loss workers' window tasks, and the losses and parameters equal plain JAX +
+    optax on the whole batch."""
+    import optax
+
+    import dagdiff.train.window as window_module
+    from dagdiff.runtime.direct.runtime import run_programs
+
+    graphs = _spy_graphs(monkeypatch, window_module)
+    params, batches = _two_stage_job(5, 8)
+    opt = optax.adam(1e-2)
+    tr = dd.Trainer(_two_stage_loss, opt, microbatches=2, schedule="1f1b", replicas=2,
+                    client=client4)
+    state, losses = tr.fit(batches, params=params, progress=False, window=4)
+    assert len(graphs) == 2
+    for g in graphs:
+        windows = [t for t in g.values() if getattr(t, "func", None) is run_programs]
+        assert len(windows) == 4 and all(t.args[1] == 4 for t in windows)
+    p, want = _optax_reference(opt, params, batches)
+    np.testing.assert_allclose(losses, want, rtol=1e-5)
+    close(tr.params(state), p)
+
+
+@pytest.mark.distributed
 def test_a_windows_steps_keep_their_losses_once_one_step_took_them(client2: Any) -> None:
     """The losses of a window's steps come from one output: once a step took them, the
     other steps' losses read them from there, even when Dask lost that output since (its

@@ -365,7 +365,7 @@ class Trainer(StepGraph, Restoring):
         window again. "auto" (the default) times the first steps and makes a window span
         about 0.2 s (dask config ``dagdiff.fit.window-seconds``), at most 8 steps: short
         steps share windows, steps longer than that go one by one (`fit.AutoWindow`).
-        Steps that cannot share one (replicas > 1, dispatch="scheduler") go one by one.
+        Steps that cannot share one (dispatch="scheduler") go one by one.
 
         A step that fails because a worker was lost (or restarted) runs again at once on
         the live workers (the lost worker's stages on a survivor until its replacement

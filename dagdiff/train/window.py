@@ -8,8 +8,8 @@ nonce, the k losses as one output and the last step's state. A step costs Dask a
 per worker for k steps instead of about six tasks, which is most of a small step's time.
 The steps inside a window make no state a client can hold (only the last one does): a
 failure anywhere in the window runs the window's steps again from the state before it
-(`fit`'s recovery, one step at a time). Steps that cannot share a window (one replica
-and direct dispatch only) are submitted one by one.
+(`fit`'s recovery, one step at a time). Steps that cannot share a window (direct
+dispatch only) are submitted one by one.
 """
 from __future__ import annotations
 
@@ -75,10 +75,9 @@ def submit_window(trainer: "Trainer", state: TrainState, batches: Sequence[Seque
 
 
 def can_share(trainer: "Trainer") -> bool:
-    """Whether `trainer`'s steps can share a window (else each is submitted alone): one
-    replica, a cluster, steps chained on the workers, and not dispatch="scheduler"."""
-    return (trainer.client is not None and trainer.replicas == 1
-            and trainer.options.dispatch != "scheduler"
+    """Whether `trainer`'s steps can share a window (else each is submitted alone): a
+    cluster, steps chained on the workers, and not dispatch="scheduler"."""
+    return (trainer.client is not None and trainer.options.dispatch != "scheduler"
             and bool(dask.config.get("dagdiff.direct.chain-steps", True)))
 
 

@@ -269,25 +269,43 @@ def merge_window(steps: list[dict[str, Any]], loss_keys: list[str],
     # the k losses as one output, on the last loss's worker
     order = sorted(seq)
     flat: list[Any] = []
+    remote: dict[str, list[str]] = {}            # worker -> names its part gives
     for i, (dsk, lk) in enumerate(zip(steps, loss_keys)):
         t = dsk[lk]
         if not (isinstance(t, Task) and t.func is _output) or t.kwargs:
             raise WindowError(f"step {i}'s loss {lk} is not a plain output of its programs")
         here, n = t.args[0], t.args[1]
         refs, func, args = t.args[2:2 + n], t.args[2 + n], t.args[3 + n:]
-        addr = address_of[str(refs[here].key)]
+        addr = address_of[str(refs[here].key)] if here >= 0 else None
         mine = []
         for a in args:
             if isinstance(a, Export):       # its name in the window's result
                 a = Export(f"{i}:{a.key}")
-                keep[addr].add(a.key)
-            elif isinstance(a, TaskRef):
-                raise WindowError(f"step {i}'s loss reads {a.key} from another worker")
+                keep[addr].add(a.key)       # type: ignore[index]
+            elif isinstance(a, TaskRef):    # picked from another worker's program
+                pick = dsk.get(a.key)
+                if not (isinstance(pick, Task) and pick.func is _pick
+                        and str(pick.args[0].key) in address_of):
+                    raise WindowError(f"step {i}'s loss reads {a.key}, which no program of "
+                                      "the window makes")
+                there = address_of[str(pick.args[0].key)]
+                names = remote.setdefault(there, [])
+                names.append(f"{i}:{pick.args[1]}")
+                keep[there].add(names[-1])
+                a = Export(names[-1], at=len(order) + list(remote).index(there))
             mine.append(a)
-        flat.extend((order.index(addr), func, len(mine), *mine))
+        flat.extend((order.index(addr) if addr is not None else 0, func, len(mine), *mine))
+    # values of other workers (a loss averaged over replicas): one task on each picks
+    # them from its window task (a program result travels between workers as a stub)
+    parts = []
+    for there, names in remote.items():
+        pk = make_key("outputs", f"{sanitize(progs[there][0][0].where)}_x{k}", 0, token)
+        new[pk] = Task(pk, _picks, TaskRef(seq[there]), *names)
+        takes[pk] = first_prog[there]
+        parts.append(TaskRef(pk))
     out_key = loss_keys[-1]
-    new[out_key] = Task(out_key, _outputs_of, len(order), k,
-                        *(TaskRef(seq[a]) for a in order), *flat)
+    new[out_key] = Task(out_key, _outputs_of, len(order) + len(parts), k,
+                        *(TaskRef(seq[a]) for a in order), *parts, *flat)
     takes[out_key] = out_key
     # the last step's state, picked from its worker's window task; the dependencies a
     # first step's pick keeps (the state before the window) move to it
@@ -323,15 +341,26 @@ async def _outputs_of(n: int, k: int, *rest: Any) -> tuple[Any, ...]:
     """`k` outputs in one task (a window's losses, `group_outputs`'s outputs of one
     worker): each computed as its own output task would, from its part of the `n`
     program results (each output: the index of its result, its function, its argument
-    count and arguments)."""
+    count and arguments; an `Export` with `at` reads result `at`, which may be a
+    `_picks` dict of another worker's values)."""
     results, at, out = rest[:n], n, []
     for _ in range(k):
         here, func, count = rest[at], rest[at + 1], rest[at + 2]
         args = rest[at + 3:at + 3 + count]
         at += 3 + count
-        out.append(func(*(results[here].value(a.key) if isinstance(a, Export) else a
-                          for a in args)))
+        out.append(func(*(_exported(results[here if a.at < 0 else a.at], a.key)
+                          if isinstance(a, Export) else a for a in args)))
     return tuple(out)
+
+
+def _exported(result: Any, key: str) -> Any:
+    """Export `key` from a program result, or from the dict a `_picks` task made."""
+    return result.value(key) if isinstance(result, ProgramResult) else result[key]
+
+
+async def _picks(result: ProgramResult, *keys: str) -> dict[str, Any]:
+    """The exports `keys` of a program (window) result, as a plain dict that travels."""
+    return {k: result.value(k) for k in keys}
 
 
 def group_outputs(dsk: Mapping[str, Any], keys: Collection[str]

@@ -56,18 +56,21 @@ class ProgramResult(dict):  # type: ignore[type-arg]
 
 class Export:
     """In an output task's arguments: the value of action `key` from its own worker's
-    program result (resolved by the output task, see `dagdiff.runtime.direct.graph`)."""
+    program result (resolved by the output task, see `dagdiff.runtime.direct.graph`), or
+    from the result at index `at` among those the task reads (a window's loss averaged
+    over replicas on other workers)."""
 
-    __slots__ = ("key",)
+    __slots__ = ("key", "at")
 
-    def __init__(self, key: str) -> None:
+    def __init__(self, key: str, at: int = -1) -> None:
         self.key = key
+        self.at = at
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (Export, (self.key,))
+        return (Export, (self.key, self.at))
 
     def __repr__(self) -> str:
-        return f"Export({self.key!r})"
+        return f"Export({self.key!r})" if self.at < 0 else f"Export({self.key!r}, at={self.at})"
 
 
 class LocalImport:
