@@ -393,9 +393,9 @@ def test_the_client_heap_is_frozen_after_the_first_and_sixteenth_step(monkeypatc
 @pytest.mark.distributed
 @pytest.mark.parametrize("kind", ["scheduler", "replicas"])
 def test_fit_windows_fall_back_to_one_step_at_a_time(client2: Any, kind: str) -> None:
-    """`fit(window=3)` where steps cannot share a window (scheduler dispatch; two
-    replicas): each step is submitted alone, and the losses and parameters equal plain
-    optax's."""
+    """`fit(window=3)` where steps cannot share a window (scheduler dispatch: each step
+    is submitted alone), and with two replicas on two workers (each runs a stage of
+    each replica): the losses and parameters equal plain optax's."""
     params, batches = setup(5)
     opt = optax.adam(1e-2)
     kw = ({"dispatch": "scheduler"} if kind == "scheduler" else {"replicas": 2})
