@@ -670,3 +670,40 @@ def test_a_windows_steps_keep_their_losses_once_one_step_took_them(client2: Any)
     alone = WindowLoss(fut.key, client2, 9, (), 2)    # not sharing them: the cancelled key
     with pytest.raises(Exception):
         alone.result(timeout=30)
+
+
+@pytest.mark.distributed
+def test_a_fit_run_again_in_other_windows_gives_its_outputs_keys_of_their_own(
+        client2: Any) -> None:
+    """The same steps from the same state grouped otherwise (a re-run cell whose
+    window="auto" chose another size, or window=3 then 4 then 1): each window's loss and
+    state have keys of their own, so the scheduler never sees one key with two different
+    tasks (distributed warns of it: "Detected different `run_spec`"), and every run gives
+    the same losses and parameters."""
+    import logging
+
+    import optax
+
+    params, batches = _two_stage_job(6, 7)
+    opt = optax.sgd(0.05)
+    tr = dd.Trainer(_two_stage_loss, opt, microbatches=2, schedule="1f1b", client=client2)
+    runs = []
+    seen: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore
+    log = logging.getLogger("distributed.scheduler")   # the in-process scheduler's
+    log.addHandler(handler)
+    start, _ = tr.fit(batches[:1], params=params, progress=False)   # a placed state
+    try:
+        for window in (3, 4, 1, 3):
+            state, losses = tr.fit(batches, state=start, progress=False, window=window)
+            runs.append((tr.params(state), losses))
+    finally:
+        log.removeHandler(handler)
+    assert not [m for m in seen if "run_spec" in m]
+    p0, want = _optax_reference(opt, params, batches[:1] + batches)
+    close(runs[0][0], p0)
+    np.testing.assert_allclose(runs[0][1], want[1:], rtol=1e-5)
+    for p, losses in runs[1:]:
+        close(p, runs[0][0])
+        np.testing.assert_allclose(losses, runs[0][1], rtol=1e-6)

@@ -161,17 +161,22 @@ def chain_steps(graph: HighLevelGraph, sources: Mapping[str, Source], keys: Sequ
 
 
 def window_graph(graphs: Sequence[HighLevelGraph], loss_keys: Sequence[str],
-                 state_keys: Sequence[Sequence[str]]) -> HighLevelGraph:
+                 state_keys: Sequence[Sequence[str]]
+                 ) -> tuple[HighLevelGraph, dict[str, str]]:
     """k chained direct-dispatch steps' graphs (`chain_steps` each, in order) as one
     graph to submit at once: per worker one task for its k programs, one nonce, the k
-    losses as one output (under `loss_keys[-1]`), the last step's state under its own
-    keys (`dagdiff.runtime.direct.graph.merge_window`). Raises `WindowError` for steps
-    that cannot share a window (submit them one by one)."""
+    losses as one output, the last step's state
+    (`dagdiff.runtime.direct.graph.merge_window`). Returns the graph and the keys the
+    window gives its outputs: last step's key (its loss, each state value) -> the
+    window's. Raises `WindowError` for steps that cannot share a window (submit them one
+    by one)."""
     layers = [g.layers[next(iter(g.layers))] for g in graphs]
     dsks = [dict(layer.mapping) for layer in layers]
     new, takes = merge_window(dsks, list(loss_keys), [list(k) for k in state_keys])
+    outs = {loss_keys[-1], *state_keys[-1]}
+    renamed = {old: key for key, old in takes.items() if old in outs}
     return _relayer(f"dagdiff-window-{str(loss_keys[-1]).rsplit('-', 1)[-1]}", new, takes,
-                    layers)
+                    layers), renamed
 
 
 def gather_graph(graph: HighLevelGraph, keys: Sequence[str]

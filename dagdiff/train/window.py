@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import dask
 
-from ..build import WindowError, freeze_heap, to_delayed, window_graph
+from ..build import OutKey, WindowError, freeze_heap, to_delayed, window_graph
 from ..runtime.taskspec import TaskRef
 from .recovery import StepLoss, WindowLoss
 from .state import TrainState
@@ -55,14 +55,19 @@ def submit_window(trainer: "Trainer", state: TrainState, batches: Sequence[Seque
     try:
         if not all(p.direct for p in pres):
             raise WindowError("a step of the window does not dispatch directly")
-        graph = window_graph([p.graph for p in pres], [str(p.out_keys[0]) for p in pres],
-                             [[str(k) for k in p.out_keys[1:]] for p in pres])
+        graph, renamed = window_graph([p.graph for p in pres],
+                                      [str(p.out_keys[0]) for p in pres],
+                                      [[str(k) for k in p.out_keys[1:]] for p in pres])
     except WindowError as e:
         log.debug("dagdiff: %d steps submitted one by one: %s", len(pres), e)
         return _each(tr, pres, lineages)
     freeze_heap(tr.client)
     last = pres[-1]
-    values = tr.client.compute(to_delayed(graph, last.out_keys))
+    for old, key in renamed.items():          # the next step reads the state in place
+        if old in tr._sources:
+            tr._sources[key] = tr._sources[old]
+    values = tr.client.compute(to_delayed(graph, [OutKey(renamed.get(str(k), str(k)))
+                                                  for k in last.out_keys]))
     out: list[tuple[TrainState, Any]] = []
     got: list[Any] = []                       # the window's losses, once one step has them
     for i, pre in enumerate(pres):

@@ -6,6 +6,8 @@ import dataclasses
 import itertools
 from typing import Any, Collection, Mapping
 
+from dask.base import tokenize
+
 from ...core.keys import make_key, sanitize
 from ...errors import PlacementError
 from ..live import enabled as live_actions
@@ -232,10 +234,11 @@ def merge_window(steps: list[dict[str, Any]], loss_keys: list[str],
     `chain_step` to the one before, whose state its programs read in place) as one
     submission: per worker one task that runs its k programs in order (`run_programs`),
     the first step's nonce (each step's token already names its runs), one output with
-    the k losses (`loss_keys[-1]`'s key: a tuple), and the last step's state picks (which
-    keep the first step's state as their dependency, as `chain_step` does). Returns the
-    new tasks and, per new task, the key of the steps' task whose placement and priority
-    it takes. Raises `WindowError` where a step reads a value no task of the window keeps
+    the k losses (a tuple), and the last step's state picks (which keep the first step's
+    state as their dependency, as `chain_step` does); the output and the picks under the
+    keys of the last step's with a token of the window's own. Returns the new tasks and,
+    per new task, the key of the steps' task it stands for (whose placement and priority
+    it takes). Raises `WindowError` where a step reads a value no task of the window keeps
     (e.g. a state moved to another worker within the window)."""
     k = len(steps)
     progs: dict[str, list[tuple[Program, str, tuple[Any, ...]]]] = {}
@@ -303,10 +306,18 @@ def merge_window(steps: list[dict[str, Any]], loss_keys: list[str],
         new[pk] = Task(pk, _picks, TaskRef(seq[there]), *names)
         takes[pk] = first_prog[there]
         parts.append(TaskRef(pk))
-    out_key = loss_keys[-1]
+    # the window's outputs get keys of their own: the same last step submitted alone (or
+    # in another window) makes the same values with other tasks, and one key names one
+    # task for the scheduler (a re-run fit cell may group its steps differently)
+    wtoken = tokenize("window", k, str(loss_keys[0]), str(loss_keys[-1]))[:16]
+
+    def renamed(key: str) -> str:
+        return f"{key.rsplit('-', 1)[0]}-{wtoken}"
+
+    out_key = renamed(loss_keys[-1])
     new[out_key] = Task(out_key, _outputs_of, len(order) + len(parts), k,
                         *(TaskRef(seq[a]) for a in order), *parts, *flat)
-    takes[out_key] = out_key
+    takes[out_key] = loss_keys[-1]
     # the last step's state, picked from its worker's window task; the dependencies a
     # first step's pick keeps (the state before the window) move to it
     before: dict[str, list[Any]] = {}
@@ -321,8 +332,9 @@ def merge_window(steps: list[dict[str, Any]], loss_keys: list[str],
         addr = address_of[str(t.args[0].key)]
         name = f"{k - 1}:{t.args[1]}"         # the export it picks (a template's name)
         keep[addr].add(name)
-        new[key] = Task(key, _pick, TaskRef(seq[addr]), name, *before.pop(addr, ()))
-        takes[key] = key
+        new[renamed(key)] = Task(renamed(key), _pick, TaskRef(seq[addr]), name,
+                                 *before.pop(addr, ()))
+        takes[renamed(key)] = key
     for addr, ps in progs.items():
         args: list[Any] = []
         for prog, serial, statics in ps:
