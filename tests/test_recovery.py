@@ -442,14 +442,19 @@ def test_a_failed_steps_state_given_to_step_says_to_recover() -> None:
 
 
 def _kill_plan(client: Any, plan: list[tuple[float, str]], started: threading.Event,
-               log: list[tuple[float, str]]) -> threading.Thread:
+               log: list[tuple[float, str]], stop: threading.Event | None = None
+               ) -> threading.Thread:
     """SIGKILL the worker of each (seconds after `started`, slot) of `plan`, not waiting
-    for any replacement: later kills may hit a stage already moved to a survivor."""
+    for any replacement: later kills may hit a stage already moved to a survivor. Once
+    `stop` is set (the fit returned), no more kills: one then would take the final
+    state, which the test reads next."""
     def run() -> None:
         started.wait(60)
         t0 = time.monotonic()
         for at, slot in plan:
             time.sleep(max(0.0, t0 + at - time.monotonic()))
+            if stop is not None and stop.is_set():
+                break
             by_slot = {v: k for k, v in dd.cluster.info.slot_names(client).items()}
             if slot not in by_slot:
                 continue                        # still restarting from an earlier kill
@@ -475,14 +480,14 @@ def _kill_plan(client: Any, plan: list[tuple[float, str]], started: threading.Ev
 def test_kills_every_second_are_recovered_on_the_live_workers(
         cluster_client: Any, replicas: int, plan: list[tuple[float, str]], window: int
         ) -> None:
-    """Workers SIGKILLed every 1.2-1.4 s during a 60-step fit, without waiting for their
-    replacements: each lost stage runs on a survivor at once (`Recovery.moved`), a state
+    """Workers SIGKILLed every 1.2-1.4 s during a 60-step fit (120 with windows), without
+    waiting for their replacements: each lost stage runs on a survivor at once (`Recovery.moved`), a state
     restored after a loss is copied again before a second loss can take it, and the fit
     ends with the undisturbed run's parameters and losses; the cluster is whole after
     (also with `fit(window=4)`: a window that lost a worker runs again from the state
     before it)."""
     client = cluster_client
-    params, batches = make_data(60)
+    params, batches = make_data(60 if window == 1 else 120)   # windows run faster
     opt = optax.sgd(0.05)
     undisturbed = dd.Trainer(loss_fn, opt, microbatches=4, schedule="1f1b",
                              replicas=replicas, client=client)
@@ -492,11 +497,12 @@ def test_kills_every_second_are_recovered_on_the_live_workers(
                          client=client)
     state = trainer.init(params)
     trainer.fit(batches[:1], state=state, progress=False)   # compiled: kills hit steps
-    started, killed = threading.Event(), []
-    thread = _kill_plan(client, plan, started, killed)
+    started, killed, stop = threading.Event(), [], threading.Event()
+    thread = _kill_plan(client, plan, started, killed, stop)
     started.set()
     state, losses = trainer.fit(batches, state=trainer.init(params), progress=False,
                                 window=window)
+    stop.set()
     thread.join(60)
     close(trainer.params(state), want)
     np.testing.assert_allclose(losses, losses0, rtol=1e-5)
