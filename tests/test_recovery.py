@@ -481,9 +481,10 @@ def test_kills_every_second_are_recovered_on_the_live_workers(
         cluster_client: Any, replicas: int, plan: list[tuple[float, str]], window: int
         ) -> None:
     """Workers SIGKILLed every 1.2-1.4 s during a 60-step fit (120 with windows), without
-    waiting for their replacements: each lost stage runs on a survivor at once (`Recovery.moved`), a state
-    restored after a loss is copied again before a second loss can take it, and the fit
-    ends with the undisturbed run's parameters and losses; the cluster is whole after
+    waiting for their replacements: each lost stage runs on a survivor at once
+    (`Recovery.moved`), a state restored after a loss is copied again before a second
+    loss can take it, and the fit ends with the undisturbed run's parameters and losses;
+    the cluster is whole after
     (also with `fit(window=4)`: a window that lost a worker runs again from the state
     before it)."""
     client = cluster_client
