@@ -24,7 +24,8 @@ Systems (--systems, default all that are installed):
                  computation (one program task per worker for 8 steps)
   dagdiff-fitauto  `trainer.fit(batches)` with its default window="auto" (timed on the
                  first steps: a window spans ~0.2 s of steps, at most 8)
-  dagdiff-fit    the same Trainer's own loop, `trainer.fit(batches, window=1)` (steps submitted ahead):
+  dagdiff-fit    the same Trainer's own loop, `trainer.fit(batches, window=1)` (steps
+                 submitted ahead):
                  per step = the fit's time / its steps (median of 3 fits after a warm-up fit)
   torch          torch.distributed.pipelining `Schedule1F1B`, 2 gloo processes
                  (torch.multiprocessing), 1 thread each; the loss stays on the last rank
