@@ -34,7 +34,7 @@ class AutoWindow:
     """``window="auto"``: how many steps `fit` submits as one computation. The first
     steps go one by one; from the time between the ends of the steps after the first
     (compilation) the window is chosen so that one spans about `seconds` (dask config
-    ``dagdiff.fit.window-seconds``, default 0.2 s), at most `most` (8) steps: where a
+    ``dagdiff.fit.window-seconds``, default 0.5 s), at most `most` (8) steps: where a
     step is mostly Dask's fixed cost, windows amortize it; where a step takes longer
     than `seconds`, steps stay one by one. A window's steps end together, so the loss
     and progress bar move every `seconds`, and a failure runs at most that much again."""
@@ -43,7 +43,7 @@ class AutoWindow:
     TIMED = 3
 
     def __init__(self, seconds: float | None = None, most: int = 8) -> None:
-        self.seconds = float(dask.config.get("dagdiff.fit.window-seconds", 0.2)
+        self.seconds = float(dask.config.get("dagdiff.fit.window-seconds", 0.5)
                              if seconds is None else seconds)
         self.most = most
         self.size = 1

@@ -363,7 +363,7 @@ class Trainer(StepGraph, Restoring):
         for them all, their losses as one output: `dagdiff.train.window`), two windows in
         flight; larger windows cost Dask less per step, and a failure runs the whole
         window again. "auto" (the default) times the first steps and makes a window span
-        about 0.2 s (dask config ``dagdiff.fit.window-seconds``), at most 8 steps: short
+        about 0.5 s (dask config ``dagdiff.fit.window-seconds``), at most 8 steps: short
         steps share windows, steps longer than that go one by one (`fit.AutoWindow`).
         Steps that cannot share one (dispatch="scheduler") go one by one.
 
