@@ -8,8 +8,10 @@ nonce, the k losses as one output and the last step's state. A step costs Dask a
 per worker for k steps instead of about six tasks, which is most of a small step's time.
 The steps inside a window make no state a client can hold (only the last one does): a
 failure anywhere in the window runs the window's steps again from the state before it
-(`fit`'s recovery, one step at a time). Steps that cannot share a window (direct
-dispatch only) are submitted one by one.
+(`fit`'s recovery, one step at a time). Steps that cannot share a window (`can_share`:
+scheduler dispatch, or steps not chained on the workers) are submitted one by one. With
+replicas, each step's loss (the replicas' mean) reads the loss workers' parts through one
+small task on each.
 """
 from __future__ import annotations
 
