@@ -357,12 +357,14 @@ def run_dagdiff_values(client: Any, cfg: Cfg, schedule: str, by_hand: bool = Fal
     ``client.compute([loss, grads], sync=True)`` instead)."""
     import jax.numpy as jnp
 
+    import dagdiff as dd
+
     params_np, batches_np = make_data(cfg)
     params = [{"w": jnp.asarray(w), "b": jnp.asarray(b)} for w, b in params_np]
     batches = [(jnp.asarray(x), jnp.asarray(t)) for x, t in batches_np]
     from timing import time_steps
 
-    step = dd_value_and_grad(cfg, schedule)
+    step = dd.value_and_grad(_dd_loss, microbatches=cfg.microbatches, schedule=schedule)
 
     def one(i: int, batch: Any) -> Any:
         if by_hand:
@@ -372,13 +374,6 @@ def run_dagdiff_values(client: Any, cfg: Cfg, schedule: str, by_hand: bool = Fal
         return loss
 
     return Result(*time_steps(one, batches, cfg.warmup))
-
-
-def dd_value_and_grad(cfg: Cfg, schedule: str) -> Any:
-    """The benchmark's `dd.value_and_grad` step."""
-    import dagdiff as dd
-
-    return dd.value_and_grad(_dd_loss, microbatches=cfg.microbatches, schedule=schedule)
 
 
 def run_dagdiff_adam(client: Any, cfg: Cfg, schedule: str) -> Result:
