@@ -250,6 +250,35 @@ def test_recording_a_step_computed_a_second_time_lists_each_action_once(
     assert rec.bubble_fraction().overall < 1.0
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("window", [1, 4])
+def test_recording_a_fit_shows_every_steps_actions_in_windows_too(
+        client4: Any, window: int) -> None:
+    """dd.record around `Trainer.fit`: each of its steps' forward and backward actions
+    once, on its stage's worker, in 1F1B's order step after step, whether each step is
+    its own Dask computation (window=1) or 4 steps run as one task per worker (a window:
+    fit's default picks one for short steps)."""
+    import optax
+
+    params, x, t = data(4, batch=32)
+    batches = [(x, t)] * 8
+    tr = dd.Trainer(make_loss(4), optax.sgd(0.01), microbatches=8, schedule="1f1b",
+                    client=client4)
+    state, _ = tr.fit(batches[:window], params=params, progress=False, window=window)
+    with dd.record(client4) as rec:
+        state, losses = tr.fit(batches, state=state, progress=False, window=window)
+    assert len(losses) == 8
+    fb = [r for r in rec.compute_tasks() if r.phase in ("F", "B")]
+    assert len(fb) == 8 * 4 * 8 * 2
+    rows = {w: " ".join(f"{r.phase}{r.microbatch}"
+                        for r in sorted(fb, key=lambda r: r.start) if r.worker == w)
+            for w in rec.workers}
+    by_stage = {r.stage: r.worker for r in fb}
+    assert len(set(by_stage.values())) == 4
+    for stage, row in enumerate(ONE_F_ONE_B_4x8):
+        assert rows[by_stage[stage]] == " ".join([row] * 8), stage
+
+
 def test_a_recording_shows_itself_in_jupyter(monkeypatch: Any) -> None:
     """`rec` in a cell: the interactive chart as HTML (BokehJS inline, every task's key in
     the page), the timeline PNG when bokeh is missing, a one-line text otherwise."""

@@ -77,7 +77,8 @@ class DirectRuntime:
         #: (task key, Dask run id) of program tasks released before their program began
         self._released: collections.OrderedDict[tuple[str, Any], None] = \
             collections.OrderedDict()
-        #: (action key, start, stop, program key, run number) of every action run here
+        #: (action key, start, stop, Dask task key, run number) of every action run here
+        #: (a window's steps log under its one task and number)
         self.log: collections.deque[tuple[str, float, float, str, int]] = \
             collections.deque(maxlen=200_000)
         #: (task key, time) of every task this worker started (`dd.record`)
@@ -187,16 +188,18 @@ class DirectRuntime:
 
     # --- running a program ------------------------------------------------------------------
     def run(self, prog: Program, nonce: str, static_values: tuple[Any, ...],
-            serial: str = "", task: str = "", secede: bool = True) -> ProgramResult:
+            serial: str = "", task: str = "", secede: bool = True,
+            number: int | None = None) -> ProgramResult:
         """Run `prog`'s actions in order; return the values ordinary tasks read (see
         `run_program`). `serial`: this submission's name, under which its exports (or
         its error) are kept here a while for a later program's `LocalImport`. `task`:
         the Dask task running it when that is not the program's own (`run_programs`),
-        whose release cancels it too; `secede`: leave the thread pool first (once per
-        task)."""
+        whose release cancels it too, and under which its actions are logged
+        (`compute_log`); `secede`: leave the thread pool first (once per task);
+        `number`: the task's run number in the log (`new_number`; a fresh one when None)."""
         kept: dict[str, Any] | str = "it was stopped"
         try:
-            exports = self._run(prog, nonce, static_values, task, secede)
+            exports = self._run(prog, nonce, static_values, task, secede, number)
             kept = exports
         except BaseException as e:
             kept = f"{type(e).__name__}: {e}"
@@ -216,8 +219,13 @@ class DirectRuntime:
                 self._exports.popitem(last=False)
             self._ended.notify_all()
 
+    def new_number(self) -> int:
+        """A fresh run number for the log (one per program task run here)."""
+        return next(self._runs_counter)
+
     def _run(self, prog: Program, nonce: str, static_values: tuple[Any, ...],
-             task: str = "", secede: bool = True) -> dict[str, Any]:
+             task: str = "", secede: bool = True, number: int | None = None
+             ) -> dict[str, Any]:
         if self.worker.address != prog.address:
             raise DirectDispatchError(
                 f"{prog.key}: the step was built for {prog.where}'s worker at {prog.address}, "
@@ -246,11 +254,12 @@ class DirectRuntime:
         with self._lock:
             lost = [a for _, a in prog.members if a in self.lost]
         st.peers_lost(lost)
-        number = next(self._runs_counter)
+        if number is None:
+            number = self.new_number()
         if secede:
             _secede()
         try:
-            return self._execute(prog, run, st, number, static_values)
+            return self._execute(prog, run, st, number, static_values, task or prog.key)
         finally:
             if task:
                 self._running.pop(task, None)
@@ -290,7 +299,7 @@ class DirectRuntime:
                     self._ended.wait(IMPORT_POLL)
 
     def _execute(self, prog: Program, run: str, st: ProgramRun, number: int,
-                 static_values: tuple[Any, ...]) -> dict[str, Any]:
+                 static_values: tuple[Any, ...], task: str) -> dict[str, Any]:
         statics = _Statics(zip(prog.statics, static_values),
                            lambda imp: self.take_import(prog, st, imp))
         local: dict[str, list[Any]] = {}               # key -> [value, uses left]
@@ -298,7 +307,7 @@ class DirectRuntime:
         live = ActionReporter(self.worker, prog.key) if prog.live else None
 
         def ran(key: str, start: float, stop: float) -> None:
-            self.log.append((key, start, stop, prog.key, number))
+            self.log.append((key, start, stop, task, number))
             if live is not None:
                 live.add(key, start, stop)
 
@@ -332,7 +341,8 @@ class DirectRuntime:
     def compute_log(self, keys: Any = None) -> dict[str, Any]:
         """What ran on this worker, in the scheduler's clock (one offset for all, so their
         order on a worker is exactly the order they ran in): ``"programs"``: per program
-        key, one list per run (oldest first) of (action key, start, stop) of its actions;
+        task key (a window's: every step's), one list per run (oldest first) of (action
+        key, start, stop) of its actions;
         ``"starts"``: per task key, when each of its runs began executing (oldest first)."""
         want = None if keys is None else set(keys)
         delay = scheduler_delay(self.worker)
@@ -437,11 +447,12 @@ def run_programs(task: str, n: int, nonce: str, /, *rest: Any,
     rt, wanted = runtime(), set(keep)
     out: dict[str, Any] = {}
     at = 0
+    number = rt.new_number()
     for i in range(n):
         prog, serial, count = rest[at], rest[at + 1], rest[at + 2]
         args = tuple(rest[at + 3:at + 3 + count])
         at += 3 + count
-        result = rt.run(prog, nonce, args, serial, task=task, secede=i == 0)
+        result = rt.run(prog, nonce, args, serial, task=task, secede=i == 0, number=number)
         out.update((f"{i}:{k}", v) for k, v in result.items() if f"{i}:{k}" in wanted)
     return ProgramResult(task, out)
 
