@@ -223,6 +223,26 @@ def test_the_state_fit_returns_survives_losing_its_stages_worker(cluster_client:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("cluster_client", [3], indirect=True)
+def test_params_read_right_after_a_kill_make_the_lost_values_again(cluster_client: Any
+                                                                   ) -> None:
+    """`trainer.params(state)` called at once after SIGKILLing the worker of stage 1's
+    final values, before the scheduler noticed (the user's next line after `fit`): Dask
+    runs the lost step's program again, which cannot run alone; `params` then makes the
+    state again as `recover` does (from its copy, or through the steps since the newest
+    state that has one) and equals plain JAX + optax, instead of raising."""
+    client = cluster_client
+    opt = optax.adam(1e-2)
+    params, batches = make_data(25)
+    trainer = dd.Trainer(loss_fn, opt, microbatches=4, schedule="1f1b", client=client)
+    state, _ = trainer.fit(batches, params=params, progress=False, window=1)
+    slots = dd.cluster.info.slot_names(client)
+    victim = next(a for a, s in slots.items() if s == "slot1")
+    os.kill(_pids(client)[victim], signal.SIGKILL)
+    close(trainer.params(state), jax_reference(opt, params, batches))
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("cluster_client", [2], indirect=True)
 def test_recover_false_raises_the_steps_own_error(cluster_client: Any) -> None:
     client = cluster_client

@@ -187,12 +187,23 @@ class Trainer(StepGraph, Restoring):
                 return list(state.params or ()), []
             opts = [self._opt_from_leaves(state, g) for g in range(len(state.groups))]
             return list(state.params or ()), opts
-        if self.client is not None:
-            state = self._whole(state)
         ngroups = len(state.groups or ())
-        parts = [state.placed[(0, g)] for g in range(ngroups)]
-        if self.client is not None:
-            parts = self.client.gather(parts)
+        if self.client is None:
+            parts = [state.placed[(0, g)] for g in range(ngroups)]
+        else:
+            whole = self._whole(state)
+            try:
+                parts = self.client.gather([whole.placed[(0, g)] for g in range(ngroups)])
+            except Exception:
+                # a worker killed just before (the scheduler had not noticed when the
+                # state was checked): Dask ran the lost step's program again, which
+                # cannot run alone; make the state again as `recover` does (from the
+                # copies, or through its steps since the newest state that has them)
+                if not self._gone(state):
+                    raise
+                whole = self.recover(state)
+                parts = self.client.gather([whole.placed[(0, g)] for g in range(ngroups)])
+            state = whole
         leaves: list[Any] = [None] * sum(len(g) for g in state.groups or ())
         opts = []
         for g, part in enumerate(parts):
