@@ -181,7 +181,8 @@ class Trainer(StepGraph, Restoring):
 
     def gather(self, state: TrainState) -> tuple[list[Any], list[Any]]:
         """(parameter leaves, optimizer state per group) of `state`, concrete; a value
-        lost with its worker (e.g. scaled away after `fit`) comes from its copy."""
+        lost with its worker (scaled away or killed after `fit`) comes from its copy, or
+        is made again as `recover` makes it."""
         if not state.is_placed:
             if state.groups is None or state.opt_leaves is None:
                 return list(state.params or ()), []
