@@ -168,3 +168,32 @@ def test_a_trainer_lowers_its_step_once_and_trains_like_optax(client4: Any,
     close(trainer.params(state), p)
     stats = templates.stats()
     assert stats["lowered"] == 1 and stats["bound"] == 4, stats
+
+
+def test_abstract_inputs_of_other_shapes_or_dtypes_give_other_trace_tokens() -> None:
+    """A traced step's abstract parameters (`jax.ShapeDtypeStruct`, as the Trainer traces)
+    enter its token by shape, dtype and weak type: every combination below gives its own
+    token (bfloat16 and the float8 types share NumPy's dtype code), the same one again
+    gives the same token."""
+    import ml_dtypes
+
+    from dagdiff.core.trace_fn import trace_call
+    from dagdiff.lowering.lower import trace_token
+
+    @dd.layer
+    def scale(p: Any, x: Any) -> Any:
+        return x * p.astype(x.dtype)
+
+    def fn(p: Any, x: Any) -> Any:
+        return scale(p, x)
+
+    def token(p: Any) -> str:
+        trace, _, _ = trace_call(fn, (p, np.ones(3, np.float32)), {}, (0,), "fn")
+        return trace_token(trace)
+
+    kinds = [((3,), np.float32, False), ((3,), np.float32, True), ((1,), np.float32, False),
+             ((3,), np.float16, False), ((3,), jax.numpy.bfloat16, False),
+             ((3,), ml_dtypes.float8_e4m3fn, False), ((3,), ml_dtypes.float8_e5m2, False)]
+    tokens = [token(jax.ShapeDtypeStruct(s, d, weak_type=w)) for s, d, w in kinds]
+    assert len(set(tokens)) == len(kinds)
+    assert token(jax.ShapeDtypeStruct((3,), jax.numpy.bfloat16)) == tokens[4]
