@@ -125,6 +125,63 @@ def test_a_failed_program_does_not_wait_to_tell_unreachable_consumers(client2: A
     assert time.perf_counter() - t0 < 5
 
 
+def _slow_fail(v: Any) -> Any:
+    time.sleep(0.5)                 # the other worker is in the window's next step by now
+    raise ValueError("boom in step 1")
+
+
+def test_a_window_step_failing_after_its_peer_went_on_stops_the_peers_window(
+        inproc: Any) -> None:
+    """Windows of 3 steps on two workers: slot0 sends slot1 a value each step; in step
+    1, after sending it, slot0 fails (slowly). slot1 has finished step 1 by then without
+    waiting for slot0 (a window's steps before its last make no closing exchange) and
+    waits in step 2 for a value that never comes: it stops at once with slot0's error,
+    not after its 60 s timeout. Step 0 and a window without failures run through."""
+    from dagdiff.runtime.direct.runtime import run_programs
+    from dagdiff.runtime.taskspec import Task, TaskRef
+
+    a0, a1 = _addresses(inproc)
+    members0, members1 = (("slot1", a1),), (("slot0", a0),)
+
+    def window(fail_at: int | None, tag: str) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        rest0: list[Any] = []
+        rest1: list[Any] = []
+        for i in range(3):
+            x = f"fwd_dense-s0-m0-n0-{tag}{i}"
+            y = f"fwd_dense-s1-m0-n1-{tag}{i}"
+            acts0 = [PlannedAction(x, (), 0, (Consumers("slot1", 1, address=a1),), False,
+                                   task=Task(x, _identity, i))]
+            if i == fail_at:
+                z = f"vjp_dense-s0-m0-n0-{tag}{i}"
+                acts0.append(PlannedAction(z, (), 0, (), False, task=Task(z, _slow_fail, i)))
+            acts1 = [PlannedAction(y, ((x, "slot0"),), 0, (), True,
+                                   task=Task(y, _identity, TaskRef(x)))]
+            rest0 += [Program("prog_slot0-n0-w", f"s-{tag}{i}", "slot0", a0, tuple(acts0), (),
+                              timeout=60, members=members0), f"{tag}-0-{i}", 0]
+            rest1 += [Program("prog_slot1-n1-w", f"s-{tag}{i}", "slot1", a1, tuple(acts1), (),
+                              timeout=60, members=members1), f"{tag}-1-{i}", 0]
+        return tuple(rest0), tuple(rest1)
+
+    def submit(task: str, where: str, rest: tuple[Any, ...], nonce: str,
+               keep: tuple[str, ...] = ()) -> Any:
+        return inproc.submit(run_programs, task, 3, nonce, *rest, keep=keep, key=task,
+                             workers=[where], allow_other_workers=False, pure=False)
+
+    rest0, rest1 = window(None, "ok")
+    keep = tuple(f"{i}:fwd_dense-s1-m0-n1-ok{i}" for i in range(3))
+    ok = [submit("win0-ok", a0, rest0, "nok"), submit("win1-ok", a1, rest1, "nok", keep)]
+    assert dict(ok[1].result(timeout=30)) == {k: i for i, k in enumerate(keep)}
+    ok[0].result(timeout=30)
+    rest0, rest1 = window(1, "bad")
+    bad = [submit("win0-bad", a0, rest0, "nbad"), submit("win1-bad", a1, rest1, "nbad")]
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match="boom in step 1"):
+        bad[0].result(timeout=30)
+    with pytest.raises(dd.UpstreamError, match="boom in step 1"):
+        bad[1].result(timeout=30)
+    assert time.perf_counter() - t0 < 20
+
+
 def test_a_run_starts_once_per_worker(inproc: Any) -> None:
     """Dask running the same program of the same run twice on one worker (an in-process
     worker restarted mid-step) must not share the first run's inputs: it refuses."""

@@ -77,6 +77,14 @@ class ProgramRun:
                 self.abort = why
             self.cond.notify_all()
 
+    def upstream_failed(self, error: str) -> None:
+        """Another program of this run's window failed (in an earlier step of the window,
+        which this worker already finished): stop at the next action, with its error."""
+        with self.cond:
+            if self.failed is None:
+                self.failed = error
+            self.cond.notify_all()
+
     def peers_lost(self, addresses: Any) -> None:
         """The scheduler removed these workers: a wait on any of them stops now."""
         with self.cond:
@@ -85,11 +93,17 @@ class ProgramRun:
 
     # --- running the program --------------------------------------------------------------
     def execute(self, prog: Program, statics: dict[str, Any], local: dict[str, list[Any]],
-                ran: Callable[[str, float, float], None]) -> dict[str, Any]:
+                ran: Callable[[str, float, float], None], close: bool = True
+                ) -> dict[str, Any]:
         """Run `prog`'s actions in order and the closing exchange; return the exported
         values, or raise the first failure (after telling the other programs).
         `local` holds same-worker values until their last use; `ran(key, start, stop)` is
-        told of each action that ran."""
+        told of each action that ran. `close=False` (a window's step before its last):
+        a success returns at once, without the closing exchange, whose wait for the
+        slowest program would hold up the next step; the window's last step closes for
+        all of them (a program reaches it only when its earlier steps succeeded), and a
+        failure is still told to every other program, which stops the window there too
+        (`DirectRuntime`: failures by nonce)."""
         exports: dict[str, Any] = {}
         failure: BaseException | None = None
         for a in prog.actions:
@@ -117,6 +131,8 @@ class ProgramRun:
                     failure = e
                     local.clear()
             self._send_error(prog, a, failure)
+        if failure is None and not close:
+            return exports
         failure = self._close(prog, failure)
         if failure is not None:
             raise failure

@@ -31,7 +31,7 @@ from distributed.metrics import time as now
 from ...errors import DirectDispatchError
 from ..internals import scheduler_delay
 from ..live import ActionReporter
-from .messages import Failure, Message
+from .messages import End, Failure, Message
 from .program import Program
 from .results import LocalImport, ProgramResult
 from .run import ProgramRun
@@ -88,6 +88,10 @@ class DirectRuntime:
         self.held: dict[str, tuple[dict[str, Any], dict[str, list[Any]]]] = {}
         #: addresses of workers the scheduler removed (newest last, bounded)
         self.lost: collections.OrderedDict[str, float] = collections.OrderedDict()
+        #: nonce -> the first failure another worker reported for a run under it: a
+        #: window's steps share their nonce, and a worker ahead of the failed one (it
+        #: finished that step without waiting, `ProgramRun.execute`'s ``close``) stops
+        self._failed: collections.OrderedDict[str, str] = collections.OrderedDict()
         #: run serial -> its exports (or its error) for the newest programs that ended
         #: here, and the condition a program waiting for one of them (`take_import`) waits on
         self._exports: collections.OrderedDict[str, dict[str, Any] | str] = \
@@ -158,9 +162,25 @@ class DirectRuntime:
             run, key, why = msg.args
             msg = Failure(run, key, f"the value of {key} could not be received on "
                                     f"{self.worker.address}: {why}")
+        if isinstance(msg, End) and msg.error is not None:
+            self._nonce_failed(msg.run, msg.error)
         st = self._state(msg.run)
         if st is not None:                           # else: late, for a finished run
             st.deliver(msg)
+
+    def _nonce_failed(self, run: str, error: str) -> None:
+        """A program of `run` failed elsewhere: every run here under the same nonce (the
+        later steps of its window) stops, and so does one that starts later."""
+        nonce = _nonce_of(run)
+        with self._lock:
+            if nonce in self._failed:
+                return
+            self._failed[nonce] = error
+            while len(self._failed) > 1024:
+                self._failed.popitem(last=False)
+            others = [st for r, st in self._runs.items() if r != run and _nonce_of(r) == nonce]
+        for st in others:
+            st.upstream_failed(error)
 
     def cancel(self, key: str) -> None:
         """A program task was released while running (the client let go of its step):
@@ -189,17 +209,18 @@ class DirectRuntime:
     # --- running a program ------------------------------------------------------------------
     def run(self, prog: Program, nonce: str, static_values: tuple[Any, ...],
             serial: str = "", task: str = "", secede: bool = True,
-            number: int | None = None) -> ProgramResult:
+            number: int | None = None, close: bool = True) -> ProgramResult:
         """Run `prog`'s actions in order; return the values ordinary tasks read (see
         `run_program`). `serial`: this submission's name, under which its exports (or
         its error) are kept here a while for a later program's `LocalImport`. `task`:
         the Dask task running it when that is not the program's own (`run_programs`),
         whose release cancels it too, and under which its actions are logged
         (`compute_log`); `secede`: leave the thread pool first (once per task);
-        `number`: the task's run number in the log (`new_number`; a fresh one when None)."""
+        `number`: the task's run number in the log (`new_number`; a fresh one when None);
+        `close=False`: no closing exchange after a success (`ProgramRun.execute`)."""
         kept: dict[str, Any] | str = "it was stopped"
         try:
-            exports = self._run(prog, nonce, static_values, task, secede, number)
+            exports = self._run(prog, nonce, static_values, task, secede, number, close)
             kept = exports
         except BaseException as e:
             kept = f"{type(e).__name__}: {e}"
@@ -224,8 +245,8 @@ class DirectRuntime:
         return next(self._runs_counter)
 
     def _run(self, prog: Program, nonce: str, static_values: tuple[Any, ...],
-             task: str = "", secede: bool = True, number: int | None = None
-             ) -> dict[str, Any]:
+             task: str = "", secede: bool = True, number: int | None = None,
+             close: bool = True) -> dict[str, Any]:
         if self.worker.address != prog.address:
             raise DirectDispatchError(
                 f"{prog.key}: the step was built for {prog.where}'s worker at {prog.address}, "
@@ -253,13 +274,17 @@ class DirectRuntime:
                                       "before this program began")
         with self._lock:
             lost = [a for _, a in prog.members if a in self.lost]
+            failed = self._failed.get(nonce)
         st.peers_lost(lost)
+        if failed is not None:                      # an earlier step of its window
+            st.upstream_failed(failed)
         if number is None:
             number = self.new_number()
         if secede:
             _secede()
         try:
-            return self._execute(prog, run, st, number, static_values, task or prog.key)
+            return self._execute(prog, run, st, number, static_values, task or prog.key,
+                                 close)
         finally:
             if task:
                 self._running.pop(task, None)
@@ -299,7 +324,8 @@ class DirectRuntime:
                     self._ended.wait(IMPORT_POLL)
 
     def _execute(self, prog: Program, run: str, st: ProgramRun, number: int,
-                 static_values: tuple[Any, ...], task: str) -> dict[str, Any]:
+                 static_values: tuple[Any, ...], task: str, close: bool = True
+                 ) -> dict[str, Any]:
         statics = _Statics(zip(prog.statics, static_values),
                            lambda imp: self.take_import(prog, st, imp))
         local: dict[str, list[Any]] = {}               # key -> [value, uses left]
@@ -313,7 +339,7 @@ class DirectRuntime:
 
         outcome = "failed"
         try:
-            exports = st.execute(prog, statics, local, ran)
+            exports = st.execute(prog, statics, local, ran, close)
             outcome = "ended"
         finally:
             if live is not None:
@@ -442,8 +468,11 @@ def run_programs(task: str, n: int, nonce: str, /, *rest: Any,
     step's token names it, so their messages never mix), reading the state the one before
     exported (`LocalImport`). `rest` holds, per step, (program, serial, the number of its
     inputs, its inputs...). Returns the exports `keep` of all of them (what the window's
-    outputs read: every step's loss parts, the last step's state). The first failure
-    stops the window: the steps after it do not run, and the task fails with it."""
+    outputs read: every step's loss parts, the last step's state). Only the last step's
+    program makes the closing exchange: an earlier one goes on to the next step as soon
+    as its own actions are done, not waiting for the slowest worker (~8% of a tiny step).
+    The first failure stops the window: the steps after it do not run, and the task fails
+    with it; a worker already further on hears of it by the window's nonce and stops."""
     rt, wanted = runtime(), set(keep)
     out: dict[str, Any] = {}
     at = 0
@@ -452,9 +481,15 @@ def run_programs(task: str, n: int, nonce: str, /, *rest: Any,
         prog, serial, count = rest[at], rest[at + 1], rest[at + 2]
         args = tuple(rest[at + 3:at + 3 + count])
         at += 3 + count
-        result = rt.run(prog, nonce, args, serial, task=task, secede=i == 0, number=number)
+        result = rt.run(prog, nonce, args, serial, task=task, secede=i == 0, number=number,
+                        close=i == n - 1)
         out.update((f"{i}:{k}", v) for k, v in result.items() if f"{i}:{k}" in wanted)
     return ProgramResult(task, out)
+
+
+def _nonce_of(run: str) -> str:
+    """The nonce of a run id (``<step token>/<nonce>``)."""
+    return run.rpartition("/")[2]
 
 
 def compute_log(keys: Any = None, dask_worker: Any = None) -> dict[str, Any]:
