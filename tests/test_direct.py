@@ -596,8 +596,9 @@ def test_fit_chooses_its_window_from_the_first_steps_times(client2: Any, monkeyp
                                                            seconds: float, size: int) -> None:
     """`trainer.fit` (window="auto", the default): the first steps go one by one; then a
     window spans about dask config ``dagdiff.fit.window-seconds`` of steps, at most 8:
-    with a minute, windows of 8 from then on; with a microsecond, every step alone. The
-    losses and parameters equal plain JAX + optax either way."""
+    with a minute, windows of 8 from then on; with a microsecond, every step alone. A
+    second fit (the next epoch) starts with that choice, and one aiming at another time
+    chooses again. The losses and parameters equal plain JAX + optax either way."""
     import optax
 
     import dagdiff.train.window as window_module
@@ -620,6 +621,21 @@ def test_fit_chooses_its_window_from_the_first_steps_times(client2: Any, monkeyp
         assert sizes == [[8, 8], [8, 8]]
     p, want = _optax_reference(opt, params, batches)
     np.testing.assert_allclose(losses, want, rtol=1e-5)
+    close(tr.params(state), p)
+
+    del graphs[:]
+    with dask.config.set({"dagdiff.fit.window-seconds": seconds}):
+        state, more = tr.fit(batches[:17], state=state, progress=False)
+    sizes = [[t.args[1] for t in g.values() if getattr(t, "func", None) is run_programs]
+             for g in graphs]
+    assert sizes == ([] if size == 1 else [[8, 8], [8, 8]])     # then step 16 alone
+    other = 1e-6 if size == 8 else 60.0
+    del graphs[:]
+    with dask.config.set({"dagdiff.fit.window-seconds": other}):
+        state, last = tr.fit(batches[:8], state=state, progress=False)
+    assert not graphs                       # its first steps are timed again: all alone
+    p, want = _optax_reference(opt, params, batches + batches[:17] + batches[:8])
+    np.testing.assert_allclose(losses + more + last, want, rtol=1e-5)
     close(tr.params(state), p)
 
 

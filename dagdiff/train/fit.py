@@ -37,7 +37,9 @@ class AutoWindow:
     ``dagdiff.fit.window-seconds``, default 0.5 s), at most `most` (8) steps: where a
     step is mostly Dask's fixed cost, windows amortize it; where a step takes longer
     than `seconds`, steps stay one by one. A window's steps end together, so the loss
-    and progress bar move every `seconds`, and a failure runs at most that much again."""
+    and progress bar move every `seconds`, and a failure runs at most that much again.
+    The choice is kept on the Trainer per batch signature and `seconds`: a later `fit`
+    of such batches (the next epoch, a re-run cell) starts with it."""
 
     #: finished steps timed before choosing (the first, with compilation, is not counted)
     TIMED = 3
@@ -49,6 +51,16 @@ class AutoWindow:
         self.size = 1
         self.chosen = False
         self._ends: list[float] = []
+        #: where the choice is kept (`start`): a Trainer's dict, and the key in it
+        self._kept: dict[tuple[Any, float], int] | None = None
+        self._key: Any = None
+
+    def start(self, kept: dict[tuple[Any, float], int], batch_key: Any) -> None:
+        """The first batch's signature is `batch_key`: take an earlier fit's choice for
+        it from `kept`, or keep this one's there once made."""
+        self._kept, self._key = kept, (batch_key, self.seconds)
+        if self._key in kept:
+            self.size, self.chosen = kept[self._key], True
 
     def step_ended(self) -> None:
         """One more step ended (in order): time it, and choose once enough have."""
@@ -60,6 +72,8 @@ class AutoWindow:
             per_step = sorted(gaps)[len(gaps) // 2]
             self.size = max(1, min(self.most, int(self.seconds / max(per_step, 1e-6))))
             self.chosen = True
+            if self._kept is not None:
+                self._kept[self._key] = self.size
             log.info("dagdiff: Trainer.fit: %.1f ms per step, window=%d", 1e3 * per_step,
                      self.size)
 
@@ -134,6 +148,9 @@ class FitRun:
                         f"{i} is a {type(batch).__name__}")
                 if i == 0:
                     self.finished = self.base = tr._with_copy(self.finished, batch)
+                    if self.auto is not None:
+                        self.auto.start(tr._windows, tr._batch_key(batch))
+                        self.window = self.auto.size
                 group.append(tuple(batch))
                 if len(group) == self.window:
                     self.submit(group)

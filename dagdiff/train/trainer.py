@@ -139,6 +139,9 @@ class Trainer(StepGraph, Restoring):
         self._ref = weakref.ref(self)
         self._uid = uuid.uuid4().hex[:8]   # task keys of different trainers never collide
         self._cache: dict[Any, StepModel] = {}
+        #: fit(window="auto")'s choice per (batch signature, seconds aimed at): a later fit
+        #: of such batches starts with it instead of timing its first steps again
+        self._windows: dict[tuple[Any, float], int] = {}
         #: where the newest steps' state values come from (`import_locally`): Future key
         #: -> the program that exports it, for the next step's program on that worker
         self._sources: dict[str, Source] = {}
@@ -223,12 +226,17 @@ class Trainer(StepGraph, Restoring):
                                             list(state.opt_leaves[g]))
 
     # --- tracing and placement ----------------------------------------------------------
+    @staticmethod
+    def _batch_key(batch: Sequence[Any]) -> Any:
+        """A batch's signature: its structure, and each leaf's shape and dtype."""
+        avals = tuple((tuple(np.shape(x)), str(x.dtype)) if hasattr(x, "shape") else x
+                      for x in jax.tree_util.tree_leaves(batch))
+        return (jax.tree_util.tree_structure(batch), avals)
+
     def _model(self, batch: Sequence[Any]) -> "StepModel":
         """Trace once per batch signature: the model and its parameter groups (stages)."""
         r, m = self.replicas, self.microbatches
-        avals = tuple((tuple(np.shape(x)), str(x.dtype)) if hasattr(x, "shape") else x
-                      for x in jax.tree_util.tree_leaves(batch))
-        key = (jax.tree_util.tree_structure(batch), avals)
+        key = self._batch_key(batch)
         if key in self._cache:
             return self._cache[key]
         if self._treedef is None:
@@ -376,8 +384,9 @@ class Trainer(StepGraph, Restoring):
         flight; larger windows cost Dask less per step, and a failure runs the whole
         window again. "auto" (the default) times the first steps and makes a window span
         about 0.5 s (dask config ``dagdiff.fit.window-seconds``), at most 8 steps: short
-        steps share windows, steps longer than that go one by one (`fit.AutoWindow`).
-        Steps that cannot share one (dispatch="scheduler") go one by one.
+        steps share windows, steps longer than that go one by one (`fit.AutoWindow`); a
+        later fit of batches of the same shapes starts with that choice. Steps that cannot
+        share one (dispatch="scheduler") go one by one.
 
         A step that fails because a worker was lost (or restarted) runs again at once on
         the live workers (the lost worker's stages on a survivor until its replacement
