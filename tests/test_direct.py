@@ -591,12 +591,12 @@ def test_step_compute_gathers_each_workers_outputs_in_one_task(client2: Any,
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("seconds,size", [(60.0, 8), (1e-6, 1)])
+@pytest.mark.parametrize("seconds,size", [(60.0, 16), (1e-6, 1)])
 def test_fit_chooses_its_window_from_the_first_steps_times(client2: Any, monkeypatch: Any,
                                                            seconds: float, size: int) -> None:
     """`trainer.fit` (window="auto", the default): the first steps go one by one; then a
-    window spans about dask config ``dagdiff.fit.window-seconds`` of steps, at most 8:
-    with a minute, windows of 8 from then on; with a microsecond, every step alone. A
+    window spans about dask config ``dagdiff.fit.window-seconds`` of steps, at most 16:
+    with a minute, windows of 16 from then on; with a microsecond, every step alone. A
     second fit (the next epoch) starts with that choice, and one aiming at another time
     chooses again. The losses and parameters equal plain JAX + optax either way."""
     import optax
@@ -617,8 +617,8 @@ def test_fit_chooses_its_window_from_the_first_steps_times(client2: Any, monkeyp
         assert sizes == []
     else:
         # steps 0-6 alone (step 6's submission waits for the fifth step's end: the first,
-        # with compilation, then 3 gaps timed), then 7-14 and 15-22, then 23 alone
-        assert sizes == [[8, 8], [8, 8]]
+        # with compilation, then 3 gaps timed), then 7-22 as one window, then 23 alone
+        assert sizes == [[16, 16]]
     p, want = _optax_reference(opt, params, batches)
     np.testing.assert_allclose(losses, want, rtol=1e-5)
     close(tr.params(state), p)
@@ -628,8 +628,8 @@ def test_fit_chooses_its_window_from_the_first_steps_times(client2: Any, monkeyp
         state, more = tr.fit(batches[:17], state=state, progress=False)
     sizes = [[t.args[1] for t in g.values() if getattr(t, "func", None) is run_programs]
              for g in graphs]
-    assert sizes == ([] if size == 1 else [[8, 8], [8, 8]])     # then step 16 alone
-    other = 1e-6 if size == 8 else 60.0
+    assert sizes == ([] if size == 1 else [[16, 16]])           # then step 16 alone
+    other = 1e-6 if size == 16 else 60.0
     del graphs[:]
     with dask.config.set({"dagdiff.fit.window-seconds": other}):
         state, last = tr.fit(batches[:8], state=state, progress=False)
@@ -637,6 +637,23 @@ def test_fit_chooses_its_window_from_the_first_steps_times(client2: Any, monkeyp
     p, want = _optax_reference(opt, params, batches + batches[:17] + batches[:8])
     np.testing.assert_allclose(losses + more + last, want, rtol=1e-5)
     close(tr.params(state), p)
+
+
+def test_an_auto_window_holds_at_most_64_mib_of_batches() -> None:
+    """`fit`'s auto window: as many steps as span its target time, at most 16, and at
+    most `AutoWindow.MAX_BYTES` (64 MiB) of batch arrays (a window's batches travel in
+    its graph): 16 steps of 1 MiB batches, 4 of 16 MiB, 1 of 100 MiB."""
+    from dagdiff.train.fit import AutoWindow
+
+    for mib, want in ((1, 16), (16, 4), (100, 1)):
+        auto = AutoWindow(seconds=60.0)
+        x = np.zeros((mib, 2**18), np.float32)          # `mib` MiB (calloc: not touched)
+        kept: dict[Any, int] = {}
+        auto.start(kept, ("batch", mib), (x,))
+        for _ in range(AutoWindow.TIMED + 2):
+            auto.step_ended()
+        assert auto.chosen and auto.size == want, mib
+        assert kept == {(("batch", mib), 60.0): want}
 
 
 @pytest.mark.distributed

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import dask
+import jax
 
 from ..cluster.info import (
     forget_workers,
@@ -34,7 +35,8 @@ class AutoWindow:
     """``window="auto"``: how many steps `fit` submits as one computation. The first
     steps go one by one; from the time between the ends of the steps after the first
     (compilation) the window is chosen so that one spans about `seconds` (dask config
-    ``dagdiff.fit.window-seconds``, default 0.5 s), at most `most` (8) steps: where a
+    ``dagdiff.fit.window-seconds``, default 0.5 s), at most `most` (16) steps and
+    `MAX_BYTES` of batches (a window's batches travel in its graph): where a
     step is mostly Dask's fixed cost, windows amortize it; where a step takes longer
     than `seconds`, steps stay one by one. A window's steps end together, so the loss
     and progress bar move every `seconds`, and a failure runs at most that much again.
@@ -43,8 +45,10 @@ class AutoWindow:
 
     #: finished steps timed before choosing (the first, with compilation, is not counted)
     TIMED = 3
+    #: the most bytes of batch arrays one window may hold
+    MAX_BYTES = 64 * 2**20
 
-    def __init__(self, seconds: float | None = None, most: int = 8) -> None:
+    def __init__(self, seconds: float | None = None, most: int = 16) -> None:
         self.seconds = float(dask.config.get("dagdiff.fit.window-seconds", 0.5)
                              if seconds is None else seconds)
         self.most = most
@@ -55,10 +59,13 @@ class AutoWindow:
         self._kept: dict[tuple[Any, float], int] | None = None
         self._key: Any = None
 
-    def start(self, kept: dict[tuple[Any, float], int], batch_key: Any) -> None:
-        """The first batch's signature is `batch_key`: take an earlier fit's choice for
-        it from `kept`, or keep this one's there once made."""
+    def start(self, kept: dict[tuple[Any, float], int], batch_key: Any,
+              batch: Sequence[Any]) -> None:
+        """The first batch is `batch`, of signature `batch_key`: take an earlier fit's
+        choice for it from `kept`, or keep this one's there once made."""
         self._kept, self._key = kept, (batch_key, self.seconds)
+        nbytes = sum(int(getattr(x, "nbytes", 0)) for x in jax.tree_util.tree_leaves(batch))
+        self.most = max(1, min(self.most, self.MAX_BYTES // max(nbytes, 1)))
         if self._key in kept:
             self.size, self.chosen = kept[self._key], True
 
@@ -149,7 +156,7 @@ class FitRun:
                 if i == 0:
                     self.finished = self.base = tr._with_copy(self.finished, batch)
                     if self.auto is not None:
-                        self.auto.start(tr._windows, tr._batch_key(batch))
+                        self.auto.start(tr._windows, tr._batch_key(batch), batch)
                         self.window = self.auto.size
                 group.append(tuple(batch))
                 if len(group) == self.window:
