@@ -707,15 +707,25 @@ def test_a_windows_steps_keep_their_losses_once_one_step_took_them(client2: Any)
 
 @pytest.mark.distributed
 def test_a_fit_run_again_in_other_windows_gives_its_outputs_keys_of_their_own(
-        client2: Any) -> None:
+        client2: Any, monkeypatch: Any) -> None:
     """The same steps from the same state grouped otherwise (a re-run cell whose
-    window="auto" chose another size, or window=3 then 4 then 1): each window's loss and
-    state have keys of their own, so the scheduler never sees one key with two different
-    tasks (distributed warns of it: "Detected different `run_spec`"), and every run gives
-    the same losses and parameters."""
+    window="auto" chose another size, or window=3 then 4 then 1), or grouped alike but
+    reading their first state otherwise (in place on its worker while it is the newest
+    state, else as a Dask dependency): each window's programs, loss and state have keys
+    of their own, so the scheduler never sees one key with two different tasks
+    (distributed warns of it: "Detected different `run_spec`"), and every run gives the
+    same losses and parameters."""
     import logging
 
     import optax
+
+    import dagdiff.train.step_graph as step_graph_module
+    import dagdiff.train.window as window_module
+
+    graphs = _spy_graphs(monkeypatch, window_module)
+    # the Trainer remembers where the newest state values come from (256): with 8, the
+    # start state is read in place by the first fit, as a dependency by the last
+    monkeypatch.setattr(step_graph_module, "SOURCES_KEPT", 8)
 
     params, batches = _two_stage_job(6, 7)
     opt = optax.sgd(0.05)
@@ -734,6 +744,12 @@ def test_a_fit_run_again_in_other_windows_gives_its_outputs_keys_of_their_own(
     finally:
         log.removeHandler(handler)
     assert not [m for m in seen if "run_spec" in m]
+    tasks: dict[str, Any] = {}
+    for g in graphs:                          # one key, one task, in every submission
+        for key, t in g.items():
+            if key in tasks:
+                assert tasks[key] == (t.func, set(t.dependencies)), key
+            tasks[key] = (t.func, set(t.dependencies))
     p0, want = _optax_reference(opt, params, batches[:1] + batches)
     close(runs[0][0], p0)
     np.testing.assert_allclose(runs[0][1], want[1:], rtol=1e-5)

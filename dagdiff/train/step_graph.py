@@ -113,10 +113,13 @@ class StepGraph:
                   and resolve_dispatch(self.options.dispatch, self.client, targets) == "direct")
         # a key names one computation: this trainer's step from these very state values
         # (their Futures' keys) on this batch's content, so a step from another state or
-        # on another batch never shares keys with this one, and the same step again does
+        # on another batch never shares keys with this one, and the same step again does;
+        # and one task: its programs read the state values this trainer still knows the
+        # source program of in place, the others as Dask dependencies (`_chain`)
         token = step_token(model.model.trace, ("step", self.options.token()), state.step,
                            self._uid, state_identity(state), batch_token(batch),
-                           program_homes("direct" if direct else "", targets))
+                           program_homes("direct" if direct else "", targets),
+                           self._chained(state) if direct else ())
         graph, out_keys, order = self._step_graph(model, state, batch, token, targets, direct)
         if direct and self.client is not None:
             self._chain(graph, [str(k) for k in out_keys[1:]])
@@ -142,6 +145,14 @@ class StepGraph:
                                 lineage=lineage if self.client is not None else None,
                                 loss=loss)
         return self._last
+
+    def _chained(self, state: TrainState) -> tuple[tuple[str, str], ...]:
+        """The state values whose source program this trainer remembers, and where it ran
+        (what `_chain` reads in place)."""
+        if self.client is None or not dask.config.get("dagdiff.direct.chain-steps", True):
+            return ()
+        keys = sorted(str(v.key) for v in (state.placed or {}).values() if hasattr(v, "key"))
+        return tuple((k, self._sources[k].address) for k in keys if k in self._sources)
 
     def _chain(self, graph: Any, state_keys: Sequence[str]) -> None:
         """With direct dispatch: each program of this step reads the state values the

@@ -264,7 +264,17 @@ def merge_window(steps: list[dict[str, Any]], loss_keys: list[str],
         key for dsk in steps[-1:] for key, t in dsk.items()
         if isinstance(t, Task) and t.func is run_program}
     token = progs[next(iter(progs))][-1][0].step
-    seq = {a: make_key("program", f"{sanitize(ps[0][0].where)}_x{k}", i, token)
+    # the window's tasks get keys of their own: the same last step submitted alone (or in
+    # another window) makes the same values with other tasks, and the same steps read
+    # their first state in place (on its worker) or as a Dask dependency (once the
+    # Trainer no longer remembers its source); one key names one task for the scheduler
+    # (a re-run fit cell may group its steps otherwise, or start from an older state)
+    reads = sorted({str(a.key) for ps in progs.values() for _, _, statics in ps
+                    for a in statics if isinstance(a, TaskRef)}
+                   | {str(a.key) for key in state_keys[0] if isinstance(steps[0].get(key), Task)
+                      for a in steps[0][key].args[2:] if isinstance(a, TaskRef)})
+    wtoken = tokenize("window", k, str(loss_keys[0]), str(loss_keys[-1]), token, reads)[:16]
+    seq = {a: make_key("program", f"{sanitize(ps[0][0].where)}_x{k}", i, wtoken)
            for i, (a, ps) in enumerate(sorted(progs.items()))}
     keep: dict[str, set[str]] = {a: set() for a in progs}
     new: dict[str, Any] = {nonce: steps[0][nonce]}
@@ -302,15 +312,10 @@ def merge_window(steps: list[dict[str, Any]], loss_keys: list[str],
     # them from its window task (a program result travels between workers as a stub)
     parts = []
     for there, names in remote.items():
-        pk = make_key("outputs", f"{sanitize(progs[there][0][0].where)}_x{k}", 0, token)
+        pk = make_key("outputs", f"{sanitize(progs[there][0][0].where)}_x{k}", 0, wtoken)
         new[pk] = Task(pk, _picks, TaskRef(seq[there]), *names)
         takes[pk] = first_prog[there]
         parts.append(TaskRef(pk))
-    # the window's outputs get keys of their own: the same last step submitted alone (or
-    # in another window) makes the same values with other tasks, and one key names one
-    # task for the scheduler (a re-run fit cell may group its steps differently)
-    wtoken = tokenize("window", k, str(loss_keys[0]), str(loss_keys[-1]))[:16]
-
     def renamed(key: str) -> str:
         return f"{key.rsplit('-', 1)[0]}-{wtoken}"
 
