@@ -656,6 +656,29 @@ def test_an_auto_window_holds_at_most_64_mib_of_batches() -> None:
         assert kept == {(("batch", mib), 60.0): want}
 
 
+def test_an_auto_window_grows_once_when_windowed_steps_are_faster() -> None:
+    """Timed on one-by-one steps of 100 ms, a 0.5 s window is 5 steps; when its windows
+    then end every 50 ms (10 ms a step: Dask's fixed cost amortized), it grows once to
+    the most steps (16) and keeps that for later fits; slower windowed steps keep it."""
+    from dagdiff.train.fit import AutoWindow
+
+    now = [0.0]
+    for window_ms, want in ((50.0, 16), (600.0, 5)):
+        now[0] = 0.0
+        auto = AutoWindow(seconds=0.5, clock=lambda: now[0])
+        kept: dict[Any, int] = {}
+        auto.start(kept, "sig", (np.zeros(4),))
+        for _ in range(AutoWindow.TIMED + 2):          # one by one, 100 ms apart
+            now[0] += 0.1
+            auto.step_ended()
+        assert auto.chosen and auto.size == 5 and kept == {("sig", 0.5): 5}
+        for _ in range(4):                              # windows of 5, ending together
+            now[0] += window_ms / 1e3
+            for _ in range(5):
+                auto.step_ended()
+        assert auto.refined and auto.size == want and kept == {("sig", 0.5): want}
+
+
 @pytest.mark.distributed
 def test_fit_windows_with_replicas_average_each_steps_loss_across_workers(
         client4: Any, monkeypatch: Any) -> None:

@@ -7,7 +7,7 @@ import logging
 import time
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import dask
 import jax
@@ -40,21 +40,28 @@ class AutoWindow:
     step is mostly Dask's fixed cost, windows amortize it; where a step takes longer
     than `seconds`, steps stay one by one. A window's steps end together, so the loss
     and progress bar move every `seconds`, and a failure runs at most that much again.
-    The choice is kept on the Trainer per batch signature and `seconds`: a later `fit`
-    of such batches (the next epoch, a re-run cell) starts with it."""
+    Windows make steps faster than the one-by-one steps the choice was timed on: once
+    two windows' worth of steps have ended in windows, the window grows (once) to span
+    `seconds` of those steps. The choice is kept on the Trainer per batch signature and
+    `seconds`: a later `fit` of such batches (the next epoch, a re-run cell) starts with
+    it."""
 
     #: finished steps timed before choosing (the first, with compilation, is not counted)
     TIMED = 3
     #: the most bytes of batch arrays one window may hold
     MAX_BYTES = 64 * 2**20
 
-    def __init__(self, seconds: float | None = None, most: int = 16) -> None:
+    def __init__(self, seconds: float | None = None, most: int = 16,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.seconds = float(dask.config.get("dagdiff.fit.window-seconds", 0.5)
                              if seconds is None else seconds)
         self.most = most
         self.size = 1
         self.chosen = False
+        self.refined = False
+        self._clock = clock
         self._ends: list[float] = []
+        self._since: list[float] = []            # step ends since the choice
         #: where the choice is kept (`start`): a Trainer's dict, and the key in it
         self._kept: dict[tuple[Any, float], int] | None = None
         self._key: Any = None
@@ -70,19 +77,39 @@ class AutoWindow:
             self.size, self.chosen = kept[self._key], True
 
     def step_ended(self) -> None:
-        """One more step ended (in order): time it, and choose once enough have."""
-        if self.chosen:
+        """One more step ended (in order): time it; choose once enough have, and grow
+        the window once when windowed steps turn out faster."""
+        if self.refined:
             return
-        self._ends.append(time.perf_counter())
+        if self.chosen:
+            self._since.append(self._clock())
+            w = self.size
+            if w > 1 and len(self._since) >= 3 * w:
+                # the steps after the first w (those submitted before the choice, and
+                # the first window): two windows' worth, in windows
+                per_step = (self._since[-1] - self._since[w - 1]) / (len(self._since) - w)
+                self.refined = True
+                self._choose(per_step, grow=True)
+            elif w == 1:
+                self.refined = True
+            return
+        self._ends.append(self._clock())
         if len(self._ends) > self.TIMED + 1:
             gaps = [b - a for a, b in zip(self._ends[1:], self._ends[2:])]
-            per_step = sorted(gaps)[len(gaps) // 2]
-            self.size = max(1, min(self.most, int(self.seconds / max(per_step, 1e-6))))
             self.chosen = True
-            if self._kept is not None:
-                self._kept[self._key] = self.size
-            log.info("dagdiff: Trainer.fit: %.1f ms per step, window=%d", 1e3 * per_step,
-                     self.size)
+            self._choose(sorted(gaps)[len(gaps) // 2])
+
+    def _choose(self, per_step: float, grow: bool = False) -> None:
+        """The window that spans `seconds` of steps taking `per_step` (within `most`;
+        `grow`: only a larger one than now); kept for later fits."""
+        size = max(1, min(self.most, int(self.seconds / max(per_step, 1e-6))))
+        if grow and size <= self.size:
+            return
+        self.size = size
+        if self._kept is not None:
+            self._kept[self._key] = self.size
+        log.info("dagdiff: Trainer.fit: %.1f ms per step%s, window=%d", 1e3 * per_step,
+                 " in windows" if grow else "", self.size)
 
 
 @dataclass(frozen=True)
