@@ -88,6 +88,9 @@ class DirectRuntime:
         self.held: dict[str, tuple[dict[str, Any], dict[str, list[Any]]]] = {}
         #: addresses of workers the scheduler removed (newest last, bounded)
         self.lost: collections.OrderedDict[str, float] = collections.OrderedDict()
+        #: Dask task key -> the reporter of its programs' actions to the dashboard (one
+        #: per task: a window's steps report in batches by time, not one message a step)
+        self._reporters: dict[str, ActionReporter] = {}
         #: nonce -> the first failure another worker reported for a run under it: a
         #: window's steps share their nonce, and a worker ahead of the failed one (it
         #: finished that step without waiting, `ProgramRun.execute`'s ``close``) stops
@@ -330,7 +333,7 @@ class DirectRuntime:
                            lambda imp: self.take_import(prog, st, imp))
         local: dict[str, list[Any]] = {}               # key -> [value, uses left]
         self.held[prog.key] = (statics, local)         # what `runtime.memory` counts
-        live = ActionReporter(self.worker, prog.key) if prog.live else None
+        live = self.reporter(task) if prog.live else None
 
         def ran(key: str, start: float, stop: float) -> None:
             self.log.append((key, start, stop, task, number))
@@ -342,12 +345,25 @@ class DirectRuntime:
             exports = st.execute(prog, statics, local, ran, close)
             outcome = "ended"
         finally:
-            if live is not None:
-                live.flush()
             self.held.pop(prog.key, None)
             self._running.pop(prog.key, None)
             self._finish(run, outcome)
         return exports
+
+    def reporter(self, task: str) -> ActionReporter:
+        """The dashboard reporter of the program task `task` (made on first use)."""
+        with self._lock:
+            live = self._reporters.get(task)
+            if live is None:
+                live = self._reporters[task] = ActionReporter(self.worker, task)
+            return live
+
+    def end_task(self, task: str) -> None:
+        """The program task `task` ended (or failed): report what its reporter holds."""
+        with self._lock:
+            live = self._reporters.pop(task, None)
+        if live is not None:
+            live.flush()
 
     def _probe(self, address: str, run: str) -> tuple[str, str]:
         """Ask the worker at `address` about `run` (from a program's thread): its state
@@ -458,7 +474,11 @@ def run_program(prog: Program, nonce: str, /, *static_values: Any, serial: str =
     program; the consumers of its remaining actions on other workers get the error at
     once, and the task fails with it. A program returns only when every program of its
     run succeeded (the closing exchange)."""
-    return runtime().run(prog, nonce, static_values, serial)
+    rt = runtime()
+    try:
+        return rt.run(prog, nonce, static_values, serial)
+    finally:
+        rt.end_task(prog.key)
 
 
 def run_programs(task: str, n: int, nonce: str, /, *rest: Any,
@@ -477,13 +497,16 @@ def run_programs(task: str, n: int, nonce: str, /, *rest: Any,
     out: dict[str, Any] = {}
     at = 0
     number = rt.new_number()
-    for i in range(n):
-        prog, serial, count = rest[at], rest[at + 1], rest[at + 2]
-        args = tuple(rest[at + 3:at + 3 + count])
-        at += 3 + count
-        result = rt.run(prog, nonce, args, serial, task=task, secede=i == 0, number=number,
-                        close=i == n - 1)
-        out.update((f"{i}:{k}", v) for k, v in result.items() if f"{i}:{k}" in wanted)
+    try:
+        for i in range(n):
+            prog, serial, count = rest[at], rest[at + 1], rest[at + 2]
+            args = tuple(rest[at + 3:at + 3 + count])
+            at += 3 + count
+            result = rt.run(prog, nonce, args, serial, task=task, secede=i == 0,
+                            number=number, close=i == n - 1)
+            out.update((f"{i}:{k}", v) for k, v in result.items() if f"{i}:{k}" in wanted)
+    finally:
+        rt.end_task(task)
     return ProgramResult(task, out)
 
 
