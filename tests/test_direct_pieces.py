@@ -174,12 +174,10 @@ def test_a_window_step_failing_after_its_peer_went_on_stops_the_peers_window(
     ok[0].result(timeout=30)
     rest0, rest1 = window(1, "bad")
     bad = [submit("win0-bad", a0, rest0, "nbad"), submit("win1-bad", a1, rest1, "nbad")]
-    t0 = time.perf_counter()
     with pytest.raises(ValueError, match="boom in step 1"):
         bad[0].result(timeout=30)
     with pytest.raises(dd.UpstreamError, match="boom in step 1"):
-        bad[1].result(timeout=30)
-    assert time.perf_counter() - t0 < 20
+        bad[1].result(timeout=30)                   # within 30 s: not its 60 s timeout
 
 
 def test_a_run_starts_once_per_worker(inproc: Any) -> None:
