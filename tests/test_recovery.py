@@ -210,6 +210,9 @@ def test_the_state_fit_returns_survives_losing_its_stages_worker(cluster_client:
     trainer = dd.Trainer(loss_fn, opt, microbatches=4, schedule="1f1b", client=client)
     state, _ = trainer.fit(batches, params=params, progress=False)
     assert state.backup is not None and set(state.backup) == set(state.placed)
+    # fit returns once the copies are in memory (a scale-down right after it must not
+    # take a copy's source along)
+    assert all(f.status == "finished" for f in state.backup.values()), state.backup
     client.gather(list(state.backup.values()))
     slots = dd.cluster.info.slot_names(client)
     for rg, fut in state.backup.items():

@@ -195,8 +195,11 @@ class FitRun:
                 self.take_one()
             if self.losses:
                 # the state handed back outlives the fit (a notebook keeps it while the
-                # cluster scales down): it gets a copy on another worker when it has none
+                # cluster scales down): it gets a copy on another worker when it has none,
+                # and fit returns once its copies are there (a worker scaled away right
+                # after could otherwise take a copy's source with it)
                 self.finished = tr._with_copy(self.finished, batch)
+                tr._await_copies(self.finished)
         except KeyboardInterrupt:
             self.interrupted()
             # this frame, kept alive by the traceback, must not hold the in-flight futures

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Collection, Mapping, Sequence
 import jax
 import numpy as np
 from dask.base import tokenize
+from distributed import Future, wait
 
 from ..build import pinned
 from ..cluster.info import (
@@ -352,6 +353,19 @@ class Restoring:
         if copies:
             self._copied = (state.step, time.monotonic())
         return dataclasses.replace(state, backup=copies)
+
+    def _await_copies(self, state: TrainState, timeout: float = 60.0) -> None:
+        """Wait (up to `timeout` s) until `state`'s copies on other workers are in memory;
+        a copy that fails (its source's worker lost meanwhile) is left to recovery."""
+        futures = [v for v in (state.backup or {}).values() if isinstance(v, Future)]
+        if not futures or self.client is None:
+            return
+        try:
+            with self.client.as_current():           # the trainer's client, default or not
+                wait(futures, timeout=timeout)
+        except Exception as e:                    # noqa: BLE001 - recovery reads them later
+            log.info("dagdiff: the copies of step %d's state did not all land (%s: %s)",
+                     state.step, type(e).__name__, e)
 
     def _has_copy(self, state: TrainState) -> bool:
         """Whether every value of `state` has a second copy on another worker: another
