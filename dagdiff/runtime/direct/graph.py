@@ -263,17 +263,11 @@ def merge_window(steps: list[dict[str, Any]], loss_keys: list[str],
     dropped = {key for dsk in steps[:-1] for key in dsk} | {
         key for dsk in steps[-1:] for key, t in dsk.items()
         if isinstance(t, Task) and t.func is run_program}
-    token = progs[next(iter(progs))][-1][0].step
     # the window's tasks get keys of their own: the same last step submitted alone (or in
-    # another window) makes the same values with other tasks, and the same steps read
-    # their first state in place (on its worker) or as a Dask dependency (once the
-    # Trainer no longer remembers its source); one key names one task for the scheduler
-    # (a re-run fit cell may group its steps otherwise, or start from an older state)
-    reads = sorted({str(a.key) for ps in progs.values() for _, _, statics in ps
-                    for a in statics if isinstance(a, TaskRef)}
-                   | {str(a.key) for key in state_keys[0] if isinstance(steps[0].get(key), Task)
-                      for a in steps[0][key].args[2:] if isinstance(a, TaskRef)})
-    wtoken = tokenize("window", k, str(loss_keys[0]), str(loss_keys[-1]), token, reads)[:16]
+    # another window) makes the same values with other tasks; one key names one task for
+    # the scheduler (a re-run fit cell may group its steps otherwise, or start from an
+    # older state, whose first step's token says how it reads that state)
+    wtoken = tokenize("window", k, str(loss_keys[0]), str(loss_keys[-1]))[:16]
     seq = {a: make_key("program", f"{sanitize(ps[0][0].where)}_x{k}", i, wtoken)
            for i, (a, ps) in enumerate(sorted(progs.items()))}
     keep: dict[str, set[str]] = {a: set() for a in progs}
