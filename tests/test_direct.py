@@ -541,6 +541,11 @@ def test_fit_in_windows_runs_k_steps_as_one_task_per_worker(client2: Any,
     np.testing.assert_allclose(losses + more, losses1, rtol=1e-6)
     with pytest.raises(dd.ArgumentError, match="window"):
         tr.fit(batches, state=state, progress=False, window=0)
+    # the state first, as trainer.step takes it: a clear error, not tqdm's TypeError
+    with pytest.raises(dd.ArgumentError, match=r"fit\(batches, state=state\)"):
+        tr.fit(state, batches)                                  # type: ignore[arg-type]
+    with pytest.raises(dd.ArgumentError, match="steps must be an int"):
+        tr.fit(batches, batches, progress=True)                 # type: ignore[arg-type]
 
 
 def _aux_loss(params: Any, scale: Any, x: Any, t: Any) -> Any:
@@ -576,6 +581,11 @@ def test_step_compute_gathers_each_workers_outputs_in_one_task(client2: Any,
         # the loss, 2 microbatches' aux, 3 gradient leaves
         assert len(groups) == 2 and sum(v.args[1] for v in groups) == 1 + 2 + 3
         assert len(tasks) == 1 + 2 + 2                   # nonce, programs, a group each
+        # each group reads its own worker's program only (no stub of the other's)
+        progs = {str(k) for k, v in graphs[-1].items() if getattr(v, "func", None)
+                 is run_program}
+        homes = [{str(d) for d in g.dependencies} for g in groups]
+        assert all(len(h) == 1 and h <= progs for h in homes) and set().union(*homes) == progs
         halves = [_aux_loss(params, scale, x[:4], t[:4]), _aux_loss(params, scale, x[4:],
                                                                      t[4:])]
         want, want_g = jax.value_and_grad(
@@ -588,6 +598,47 @@ def test_step_compute_gathers_each_workers_outputs_in_one_task(client2: Any,
         assert g_scale["n"] is None
         for got, (_, a) in zip(aux, halves):
             np.testing.assert_allclose(got["y"], a["y"], rtol=1e-6)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_a_gathered_step_failing_on_one_worker_gives_no_outputs_of_the_other(
+        client2: Any, monkeypatch: Any) -> None:
+    """`step.compute` gathers each worker's outputs from its own program alone: when
+    stage 1 fails after stage 0 ran all its actions, stage 0's outputs fail too (its
+    program's closing exchange), not hand back gradients of a step that failed."""
+    def loss_fn(params: Any, x: Any, t: Any) -> Any:
+        with dd.stage(0):
+            h = _linear(params[0], x)
+        with dd.stage(1):
+            return _mse(fragile(params[1], h), t)
+
+    seen: list[Any] = []
+    real = client2.compute
+
+    def compute(colls: Any, **kwargs: Any) -> Any:
+        futures = real(colls, **{**kwargs, "sync": False})
+        seen.append(futures)
+        return client2.gather(futures) if kwargs.get("sync") else futures
+
+    monkeypatch.setattr(client2, "compute", compute)
+    params = [jnp.eye(8), jnp.eye(8)]
+    step = dd.value_and_grad(loss_fn, microbatches=2, schedule="1f1b")
+    with pytest.raises(Exception, match="fragile: input too large"):
+        step.compute(params, jnp.full((8, 8), 1000.0), jnp.ones((8, 8)), client=client2)
+    futures = seen[-1]
+    assert len(futures) == 2                        # one group per worker
+    for fut in futures:
+        with pytest.raises(Exception, match="fragile: input too large"):
+            fut.result(timeout=60)
+    del futures, seen[:]
+    x, t = jnp.full((8, 8), 0.5), jnp.ones((8, 8))       # the same step, a good batch
+    loss, grads = step.compute(params, x, t, client=client2)
+    want, want_g = jax.value_and_grad(
+        lambda p: jnp.mean((x @ p[0] @ p[1] - t) ** 2))(params)
+    np.testing.assert_allclose(loss, want, rtol=1e-6)
+    close(grads, want_g)
+    assert _waiting(client2) == 0
 
 
 @pytest.mark.distributed

@@ -399,6 +399,13 @@ class Trainer(StepGraph, Restoring):
                 isinstance(window, int) and not isinstance(window, bool) and window >= 1):
             raise ArgumentError(f"Trainer.fit: window must be an int >= 1 or 'auto', got "
                                 f"{window!r}")
+        if isinstance(batches, TrainState):
+            raise ArgumentError("Trainer.fit(batches, ...): the first argument is the batches; "
+                                "pass the state as a keyword: trainer.fit(batches, state=state)")
+        if steps is not None and not (isinstance(steps, int) and not isinstance(steps, bool)
+                                      and steps >= 0):
+            raise ArgumentError(f"Trainer.fit: steps must be an int >= 0 or None, got "
+                                f"{type(steps).__name__} {steps!r:.60}")
         if params is not None and state is None:
             state = self.init(params)
         if state is None:

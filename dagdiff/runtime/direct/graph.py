@@ -379,8 +379,10 @@ def group_outputs(dsk: Mapping[str, Any], keys: Collection[str]
     """The outputs `keys` of a direct-dispatch step (`dsk`, as `rewrite` made it) that
     its programs' results give on one worker, as one task per worker (for a caller that
     gathers them all at once: each output task costs Dask ~1.5 ms here, and the 9 of the
-    tiny job were a quarter of its step). Each group task waits for every program, as the
-    outputs did, and returns its outputs as a tuple.
+    tiny job were a quarter of its step). Each group task returns its outputs as a tuple;
+    it waits for its own worker's program only where every program has a group (the
+    closing exchange makes a program fail when any other does), else for every program,
+    as the outputs did.
 
     Returns the new tasks, per new task the output key whose placement and priority it
     takes, and per grouped key ``(group key, index)``; keys that are not plain output
@@ -401,6 +403,13 @@ def group_outputs(dsk: Mapping[str, Any], keys: Collection[str]
         by_here: dict[int, list[str]] = {}
         for key in members:
             by_here.setdefault(dsk[key].args[0], []).append(key)
+        # each group reads only its own program when every program has a group (so
+        # computing them all runs every program) and no output reads another program's
+        # result: a program ends only once the whole run succeeded (its closing
+        # exchange), so the other programs' stubs would only cost a transfer each
+        own = set(by_here) == set(range(len(refs))) and not any(
+            isinstance(a, Export) and a.at >= 0
+            for key in members for a in dsk[key].args[3 + dsk[key].args[1]:])
         for here, mine in sorted(by_here.items()):
             prog: Program = dsk[refs[here]].args[0]
             gk = make_key("outputs", sanitize(prog.where), here, prog.step)
@@ -409,10 +418,11 @@ def group_outputs(dsk: Mapping[str, Any], keys: Collection[str]
                 t = dsk[key]
                 n = t.args[1]
                 args = t.args[3 + n:]
-                flat.extend((t.args[0], t.args[2 + n], len(args), *args))
+                flat.extend((0 if own else t.args[0], t.args[2 + n], len(args), *args))
                 where[key] = (gk, i)
-            new[gk] = Task(gk, _outputs_of, len(refs), len(mine),
-                           *(TaskRef(r) for r in refs), *flat)
+            reads = (refs[here],) if own else refs
+            new[gk] = Task(gk, _outputs_of, len(reads), len(mine),
+                           *(TaskRef(r) for r in reads), *flat)
             takes[gk] = mine[0]
     return new, takes, where
 
