@@ -565,7 +565,7 @@ def test_step_compute_gathers_each_workers_outputs_in_one_task(client2: Any,
     leaf that is not differentiated), and computing the same step twice gives them
     again."""
     import dagdiff.build as build_module
-    from dagdiff.runtime.direct.graph import _output, _outputs_of
+    from dagdiff.runtime.direct.graph import _output, _outputs_of, run_gathered
 
     graphs = _spy_graphs(monkeypatch, build_module)
     params, batches = _two_stage_job(3, 1)
@@ -576,16 +576,13 @@ def test_step_compute_gathers_each_workers_outputs_in_one_task(client2: Any,
     for _ in range(2):                               # the same step twice: a new run
         (loss, aux), (g_params, g_scale) = step.compute(params, scale, x, t, client=client2)
         tasks = [v for v in graphs[-1].values() if hasattr(v, "func")]
-        assert not any(v.func is _output for v in tasks)
-        groups = [v for v in tasks if v.func is _outputs_of]
-        # the loss, 2 microbatches' aux, 3 gradient leaves
+        assert not any(v.func in (_output, _outputs_of, run_program) for v in tasks)
+        # each worker's program hands back its outputs itself: the loss, 2 microbatches'
+        # aux, 3 gradient leaves; no task between a program and the client
+        groups = [v for v in tasks if v.func is run_gathered]
         assert len(groups) == 2 and sum(v.args[1] for v in groups) == 1 + 2 + 3
-        assert len(tasks) == 1 + 2 + 2                   # nonce, programs, a group each
-        # each group reads its own worker's program only (no stub of the other's)
-        progs = {str(k) for k, v in graphs[-1].items() if getattr(v, "func", None)
-                 is run_program}
-        homes = [{str(d) for d in g.dependencies} for g in groups]
-        assert all(len(h) == 1 and h <= progs for h in homes) and set().union(*homes) == progs
+        assert {g.args[2].where for g in groups} == {"slot0", "slot1"}
+        assert len(tasks) == 1 + 2                       # nonce, the programs
         halves = [_aux_loss(params, scale, x[:4], t[:4]), _aux_loss(params, scale, x[4:],
                                                                      t[4:])]
         want, want_g = jax.value_and_grad(

@@ -191,10 +191,10 @@ def gather_graph(graph: HighLevelGraph, keys: Sequence[str]
         return graph, plain
     (name, layer), = graph.layers.items()
     dsk = dict(layer.mapping)
-    new, takes, where = group_outputs(dsk, keys)
+    new, takes, where, fused = group_outputs(dsk, keys)
     if not new:
         return graph, plain
-    for key in where:
+    for key in [*where, *fused]:
         del dsk[key]
     dsk.update(new)
     takes = {**{k: k for k in dsk if k not in new}, **takes}

@@ -16,11 +16,11 @@ from ..taskspec import DataNode, Task, TaskRef
 from .plan import ProgramPlan, plan_programs
 from .results import Export, LocalImport, ProgramResult
 from .program import Program
-from .runtime import _timeout, new_nonce, run_program, run_programs
+from .runtime import _timeout, new_nonce, run_program, run_programs, runtime
 
 
 __all__ = ["DirectGraph", "rewrite", "next_base", "RESOURCE_SHARE", "chain_step",
-           "Source", "merge_window", "WindowError", "group_outputs"]
+           "Source", "merge_window", "WindowError", "group_outputs", "run_gathered"]
 
 #: share of a slot resource one program holds: a program leaves the thread pool
 #: (``secede``) but keeps its resources, so whole units would block the worker's next
@@ -354,6 +354,11 @@ async def _outputs_of(n: int, k: int, *rest: Any) -> tuple[Any, ...]:
     program results (each output: the index of its result, its function, its argument
     count and arguments; an `Export` with `at` reads result `at`, which may be a
     `_picks` dict of another worker's values)."""
+    return _outputs(n, k, rest)
+
+
+def _outputs(n: int, k: int, rest: tuple[Any, ...]) -> tuple[Any, ...]:
+    """`_outputs_of`, called in place."""
     results, at, out = rest[:n], n, []
     for _ in range(k):
         here, func, count = rest[at], rest[at + 1], rest[at + 2]
@@ -375,18 +380,22 @@ async def _picks(result: ProgramResult, *keys: str) -> dict[str, Any]:
 
 
 def group_outputs(dsk: Mapping[str, Any], keys: Collection[str]
-                  ) -> tuple[dict[str, Any], dict[str, str], dict[str, tuple[str, int]]]:
+                  ) -> tuple[dict[str, Any], dict[str, str], dict[str, tuple[str, int]],
+                             set[str]]:
     """The outputs `keys` of a direct-dispatch step (`dsk`, as `rewrite` made it) that
     its programs' results give on one worker, as one task per worker (for a caller that
     gathers them all at once: each output task costs Dask ~1.5 ms here, and the 9 of the
-    tiny job were a quarter of its step). Each group task returns its outputs as a tuple;
-    it waits for its own worker's program only where every program has a group (the
-    closing exchange makes a program fail when any other does), else for every program,
-    as the outputs did.
+    tiny job were a quarter of its step). Each group task returns its outputs as a tuple.
+    Where every program has a group and nothing else reads the programs, each group is
+    its program's task itself (`run_gathered`: the program, then its outputs, one task
+    per worker: no hop through the scheduler between the two); the closing exchange
+    makes a program fail when any other does, so it needs no other program's result.
+    Otherwise each group waits for every program, as the outputs did.
 
-    Returns the new tasks, per new task the output key whose placement and priority it
-    takes, and per grouped key ``(group key, index)``; keys that are not plain output
-    tasks of one worker are left out and stay as they are."""
+    Returns the new tasks, per new task the key whose placement and priority it takes,
+    per grouped key ``(group key, index)``, and the program keys the groups replace;
+    keys that are not plain output tasks of one worker are left out and stay as they
+    are."""
     groups: dict[tuple[str, ...], list[str]] = {}
     for key in dict.fromkeys(keys):
         t = dsk.get(key)
@@ -399,20 +408,26 @@ def group_outputs(dsk: Mapping[str, Any], keys: Collection[str]
     new: dict[str, Any] = {}
     takes: dict[str, str] = {}
     where: dict[str, tuple[str, int]] = {}
+    fused: set[str] = set()
+    grouped = {key for members in groups.values() for key in members}
+    read_elsewhere = {str(d) for k, t in dsk.items() if k not in grouped and isinstance(t, Task)
+                      for d in t.dependencies}
     for refs, members in groups.items():
         by_here: dict[int, list[str]] = {}
         for key in members:
             by_here.setdefault(dsk[key].args[0], []).append(key)
-        # each group reads only its own program when every program has a group (so
-        # computing them all runs every program) and no output reads another program's
-        # result: a program ends only once the whole run succeeded (its closing
-        # exchange), so the other programs' stubs would only cost a transfer each
-        own = set(by_here) == set(range(len(refs))) and not any(
-            isinstance(a, Export) and a.at >= 0
-            for key in members for a in dsk[key].args[3 + dsk[key].args[1]:])
+        # a program runs its outputs itself when every program has outputs (so computing
+        # them all runs every program), no output reads another program's result and no
+        # other task reads a program: a program ends only once the whole run succeeded
+        # (its closing exchange), so the other programs' results would only be stubs
+        own = (set(by_here) == set(range(len(refs))) and not read_elsewhere & set(refs)
+               and not any(isinstance(a, Export) and a.at >= 0
+                           for key in members for a in dsk[key].args[3 + dsk[key].args[1]:]))
         for here, mine in sorted(by_here.items()):
-            prog: Program = dsk[refs[here]].args[0]
-            gk = make_key("outputs", sanitize(prog.where), here, prog.step)
+            pt: Task = dsk[refs[here]]
+            prog: Program = pt.args[0]
+            gk = make_key("program", f"{sanitize(prog.where)}_out", here, prog.step) if own \
+                else make_key("outputs", sanitize(prog.where), here, prog.step)
             flat: list[Any] = []
             for i, key in enumerate(mine):
                 t = dsk[key]
@@ -420,11 +435,29 @@ def group_outputs(dsk: Mapping[str, Any], keys: Collection[str]
                 args = t.args[3 + n:]
                 flat.extend((0 if own else t.args[0], t.args[2 + n], len(args), *args))
                 where[key] = (gk, i)
-            reads = (refs[here],) if own else refs
-            new[gk] = Task(gk, _outputs_of, len(reads), len(mine),
-                           *(TaskRef(r) for r in reads), *flat)
-            takes[gk] = mine[0]
-    return new, takes, where
+            if own:
+                new[gk] = Task(gk, run_gathered, gk, len(mine), *pt.args, *flat, **pt.kwargs)
+                takes[gk] = refs[here]
+                fused.add(refs[here])
+            else:
+                new[gk] = Task(gk, _outputs_of, len(refs), len(mine),
+                               *(TaskRef(r) for r in refs), *flat)
+                takes[gk] = mine[0]
+    return new, takes, where, fused
+
+
+def run_gathered(task: str, k: int, prog: Program, nonce: str, /, *rest: Any,
+                 serial: str = "") -> tuple[Any, ...]:
+    """A program task that hands back its worker's `k` outputs (`group_outputs`): runs
+    `prog` as `run_program` does (`rest`: its inputs, then the outputs as `_outputs_of`
+    takes them) and returns the outputs, not its result."""
+    n = len(prog.statics)
+    rt = runtime()
+    try:
+        result = rt.run(prog, nonce, tuple(rest[:n]), serial, task=task)
+    finally:
+        rt.end_task(task)
+    return _outputs(1, k, (result, *rest[n:]))
 
 
 def _leading(pp: ProgramPlan) -> int:
