@@ -573,6 +573,7 @@ def test_step_compute_gathers_each_workers_outputs_in_one_task(client2: Any,
     scale = {"s": jnp.asarray(1.5), "n": 3}
     step = dd.value_and_grad(_aux_loss, argnums=(0, 1), has_aux=True, microbatches=2,
                              schedule="1f1b")
+    nonces: list[str] = []
     for _ in range(2):                               # the same step twice: a new run
         (loss, aux), (g_params, g_scale) = step.compute(params, scale, x, t, client=client2)
         tasks = [v for v in graphs[-1].values() if hasattr(v, "func")]
@@ -582,7 +583,9 @@ def test_step_compute_gathers_each_workers_outputs_in_one_task(client2: Any,
         groups = [v for v in tasks if v.func is run_gathered]
         assert len(groups) == 2 and sum(v.args[1] for v in groups) == 1 + 2 + 3
         assert {g.args[2].where for g in groups} == {"slot0", "slot1"}
-        assert len(tasks) == 1 + 2                       # nonce, the programs
+        # no nonce task: the programs run under one fresh nonce given in the graph
+        assert len(tasks) == 2 and len({g.args[3] for g in groups}) == 1
+        nonces.append(groups[0].args[3])
         halves = [_aux_loss(params, scale, x[:4], t[:4]), _aux_loss(params, scale, x[4:],
                                                                      t[4:])]
         want, want_g = jax.value_and_grad(
@@ -595,6 +598,27 @@ def test_step_compute_gathers_each_workers_outputs_in_one_task(client2: Any,
         assert g_scale["n"] is None
         for got, (_, a) in zip(aux, halves):
             np.testing.assert_allclose(got["y"], a["y"], rtol=1e-6)
+    assert nonces[0] != nonces[1]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_the_same_step_computed_in_flight_together_gives_jax_values(client2: Any) -> None:
+    """`step.compute` of one step from four threads at once, on two batches (each batch
+    twice): every call runs its own programs and gets `jax.value_and_grad`'s values, and
+    nothing is left waiting on the cluster."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    params, batches = _two_stage_job(3, 2)
+    step = dd.value_and_grad(_two_stage_loss, microbatches=2, schedule="1f1b")
+    jobs = [batches[i % 2] for i in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda b: step.compute(params, *b, client=client2), jobs))
+    for (x, t), (loss, grads) in zip(jobs, got):
+        want, want_g = jax.value_and_grad(_two_stage_loss)(params, x, t)
+        np.testing.assert_allclose(loss, want, rtol=1e-6)
+        close(grads, want_g)
+    assert _waiting(client2) == 0
 
 
 @pytest.mark.distributed

@@ -24,6 +24,7 @@ from ..lowering.memory import check_memory
 from ..lowering.pipeline import PipelineGraph, lower_pipeline
 from ..runtime.direct.graph import (Source, WindowError, chain_step, group_outputs,
                                     merge_window)
+from ..runtime.direct.runtime import new_nonce
 from .options import Options
 
 
@@ -185,13 +186,15 @@ def gather_graph(graph: HighLevelGraph, keys: Sequence[str]
     once (`step.compute`): each worker's outputs as one task returning them as a tuple
     (`dagdiff.runtime.direct.graph.group_outputs`). Returns the graph and, per key of
     `keys`, (the key to compute, its index in that task's tuple, or None: the value
-    itself). A graph that is not one direct-dispatch layer comes back as it is."""
+    itself). A graph that is not one direct-dispatch layer comes back as it is. Each call
+    makes a graph of its own: where each worker's program hands back its outputs itself,
+    the programs run under a fresh nonce that their keys end with (no nonce task)."""
     plain: dict[str, tuple[str, int | None]] = {k: (k, None) for k in keys}
     if len(graph.layers) != 1:
         return graph, plain
     (name, layer), = graph.layers.items()
     dsk = dict(layer.mapping)
-    new, takes, where, fused = group_outputs(dsk, keys)
+    new, takes, where, fused = group_outputs(dsk, keys, nonce=new_nonce())
     if not new:
         return graph, plain
     for key in [*where, *fused]:

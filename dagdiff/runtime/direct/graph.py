@@ -379,7 +379,7 @@ async def _picks(result: ProgramResult, *keys: str) -> dict[str, Any]:
     return {k: result.value(k) for k in keys}
 
 
-def group_outputs(dsk: Mapping[str, Any], keys: Collection[str]
+def group_outputs(dsk: Mapping[str, Any], keys: Collection[str], nonce: str | None = None
                   ) -> tuple[dict[str, Any], dict[str, str], dict[str, tuple[str, int]],
                              set[str]]:
     """The outputs `keys` of a direct-dispatch step (`dsk`, as `rewrite` made it) that
@@ -391,6 +391,12 @@ def group_outputs(dsk: Mapping[str, Any], keys: Collection[str]
     per worker: no hop through the scheduler between the two); the closing exchange
     makes a program fail when any other does, so it needs no other program's result.
     Otherwise each group waits for every program, as the outputs did.
+
+    `nonce`: a fresh run id for this submission (a caller that builds the graph for one
+    submission, as `step.compute` does): where every program became its group, they run
+    under it and their keys end with it, and the step's ``run_`` task is dropped (no
+    round trip for the nonce before the programs start, and none for the other workers
+    to fetch it).
 
     Returns the new tasks, per new task the key whose placement and priority it takes,
     per grouped key ``(group key, index)``, and the program keys the groups replace;
@@ -426,7 +432,11 @@ def group_outputs(dsk: Mapping[str, Any], keys: Collection[str]
         for here, mine in sorted(by_here.items()):
             pt: Task = dsk[refs[here]]
             prog: Program = pt.args[0]
-            gk = make_key("program", f"{sanitize(prog.where)}_out", here, prog.step) if own \
+            run_id = pt.args[1]
+            if own and nonce is not None:
+                run_id = nonce
+            gk = make_key("program", f"{sanitize(prog.where)}_out", here,
+                          prog.step + (nonce[:8] if run_id is nonce else "")) if own \
                 else make_key("outputs", sanitize(prog.where), here, prog.step)
             flat: list[Any] = []
             for i, key in enumerate(mine):
@@ -436,13 +446,19 @@ def group_outputs(dsk: Mapping[str, Any], keys: Collection[str]
                 flat.extend((0 if own else t.args[0], t.args[2 + n], len(args), *args))
                 where[key] = (gk, i)
             if own:
-                new[gk] = Task(gk, run_gathered, gk, len(mine), *pt.args, *flat, **pt.kwargs)
+                new[gk] = Task(gk, run_gathered, gk, len(mine), prog, run_id, *pt.args[2:],
+                               *flat, **pt.kwargs)
                 takes[gk] = refs[here]
                 fused.add(refs[here])
             else:
                 new[gk] = Task(gk, _outputs_of, len(refs), len(mine),
                                *(TaskRef(r) for r in refs), *flat)
                 takes[gk] = mine[0]
+    # a nonce task no task reads any more
+    left = [t for k, t in dsk.items() if k not in fused and k not in where and isinstance(t, Task)]
+    read = {str(d) for t in [*left, *new.values()] for d in t.dependencies}
+    fused.update(k for k, t in dsk.items() if isinstance(t, Task) and t.func is new_nonce
+                 and k not in read)
     return new, takes, where, fused
 
 
