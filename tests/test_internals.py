@@ -68,9 +68,20 @@ def test_a_comm_takes_the_deserialize_switch() -> None:
     assert "self.deserialize" in inspect.getsource(Comm.__init__), "Comm.deserialize"
 
 
+def test_a_comm_takes_the_offload_switch() -> None:
+    """`internals.inline_writes`: a TCP comm's writes read `allow_offload`."""
+    import inspect
+
+    from distributed.comm.core import Comm
+    from distributed.comm.tcp import TCP
+
+    assert "self.allow_offload" in inspect.getsource(Comm.__init__), "Comm.allow_offload"
+    assert "allow_offload=self.allow_offload" in inspect.getsource(TCP.write), "TCP.write"
+
+
 PRIVATE = ("_update_worker_status", "_correct_state", "worker_restrictions",
            "loose_restrictions", "stream_comms", "batched_stream", "scheduler_delay",
-           "merge_and_deserialize", "serialize_numpy_ndarray", "dont_reply")
+           "merge_and_deserialize", "serialize_numpy_ndarray", "dont_reply", "allow_offload")
 
 
 def test_no_other_module_reaches_into_distributed_internals() -> None:

@@ -22,7 +22,7 @@ from distributed.comm import connect
 from distributed.comm.core import CommClosedError
 from distributed.protocol import Serialize, Serialized
 
-from ..internals import DONT_REPLY, merge_and_deserialize, raw_comm
+from ..internals import DONT_REPLY, inline_writes, merge_and_deserialize, raw_comm
 from .messages import Message, from_wire, to_wire
 
 
@@ -98,7 +98,7 @@ class Transport:
         comm = await connect(address, timeout=CONNECT_TIMEOUT, name="dagdiff-direct",
                              **self.worker.connection_args)
         await comm.write({"op": STREAM_OP, "reply": False})
-        return comm
+        return inline_writes(comm)
 
     async def _pump(self, peer: _Peer) -> None:
         """Write `peer`'s queued messages in order, in batches, until the queue stays
