@@ -494,12 +494,6 @@ def test_a_trainer_step_takes_the_state_of_the_step_before_in_place(
         losses = [float(x.result(timeout=60)) for x in (l0, l1a, l1, l2, l3)]
     programs = [t for t in graphs[-1].values() if getattr(t, "func", None) is run_program]
     assert len(programs) == 2
-    # the loss waits for its own worker's program alone: the state's picks run the other
-    from dagdiff.runtime.direct.graph import _output
-    loss_task = graphs[-1][l3.key]
-    assert loss_task.func is _output
-    assert {str(d) for d in loss_task.dependencies} == {
-        str(t.key) for t in programs if t.args[0].where == "slot1"}
     from_before = {str(t.key): [d for d in t.dependencies if str(d).startswith("update_")]
                    for t in programs}
     if chain:

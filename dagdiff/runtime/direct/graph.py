@@ -67,9 +67,7 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
     keys the caller reads straight from their program (e.g. a Trainer's new parameters,
     read by the next step on the same worker, through a task that picks them): they
     cost no cross-worker Dask edge, and the closing exchange makes each of them fail
-    when any program of the step fails. Where `outputs` read every program, the caller
-    computes them all together, and each `keep` output waits for its own worker's
-    program alone.
+    when any program of the step fails.
 
     `worker_of`: key -> slot name (or address when `slots` is False); `priority`: the
     schedule's priorities; `addresses`: slot -> worker address. The programs report
@@ -143,12 +141,8 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
     # every output waits for every program (computing any of them runs the whole step)
     # and reads its own worker's program result in place; the others' results are
     # dependencies for order alone and travel as stubs (`results.ProgramResult`)
-    # where `outputs` read every program (a Trainer's state), the caller computes them
-    # with the outputs, so every program runs: an output then waits for its own
-    # worker's program alone (the closing exchange fails it when any program fails)
     index = {p.where: i for i, p in enumerate(programs)}
     prog_refs = [TaskRef(p.key) for p in programs]
-    alone = {exported[k] for k in outputs if k in exported} == set(range(len(programs)))
     for k, t in list(dsk.items()):
         if k in keep and isinstance(t, Task):
             here = index.get(worker_of.get(k))   # type: ignore[arg-type]
@@ -160,9 +154,8 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
 
             kwargs = {n: local(v) for n, v in t.kwargs.items()
                       if not _ordering_only(n, v, plan.direct)}
-            refs = [prog_refs[here]] if alone and here is not None else prog_refs
-            dsk[k] = Task(k, _output, -1 if here is None else refs.index(prog_refs[here]),
-                          len(refs), *refs, t.func, *map(local, t.args), **kwargs)
+            dsk[k] = Task(k, _output, -1 if here is None else here, len(prog_refs), *prog_refs,
+                          t.func, *map(local, t.args), **kwargs)
     # an export any other task reads (a Trainer's new parameters, `outputs`): one small
     # task on the program's worker picks it from the program's result
     wanted = set(outputs)
