@@ -436,7 +436,7 @@ def group_outputs(dsk: Mapping[str, Any], keys: Collection[str], nonce: str | No
             if own and nonce is not None:
                 run_id = nonce
             gk = make_key("program", f"{sanitize(prog.where)}_out", here,
-                          prog.step + (nonce[:8] if run_id is nonce else "")) if own \
+                          prog.step + (nonce if run_id is nonce else "")) if own \
                 else make_key("outputs", sanitize(prog.where), here, prog.step)
             flat: list[Any] = []
             for i, key in enumerate(mine):
