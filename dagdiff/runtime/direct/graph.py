@@ -432,12 +432,9 @@ def group_outputs(dsk: Mapping[str, Any], keys: Collection[str], nonce: str | No
         for here, mine in sorted(by_here.items()):
             pt: Task = dsk[refs[here]]
             prog: Program = pt.args[0]
-            run_id = pt.args[1]
-            if own and nonce is not None:
-                run_id = nonce
-            gk = make_key("program", f"{sanitize(prog.where)}_out", here,
-                          prog.step + (nonce if run_id is nonce else "")) if own \
-                else make_key("outputs", sanitize(prog.where), here, prog.step)
+            fresh = nonce if own and nonce is not None else ""   # this submission's run id
+            gk = make_key("program", f"{sanitize(prog.where)}_out", here, prog.step + fresh) \
+                if own else make_key("outputs", sanitize(prog.where), here, prog.step)
             flat: list[Any] = []
             for i, key in enumerate(mine):
                 t = dsk[key]
@@ -446,8 +443,8 @@ def group_outputs(dsk: Mapping[str, Any], keys: Collection[str], nonce: str | No
                 flat.extend((0 if own else t.args[0], t.args[2 + n], len(args), *args))
                 where[key] = (gk, i)
             if own:
-                new[gk] = Task(gk, run_gathered, gk, len(mine), prog, run_id, *pt.args[2:],
-                               *flat, **pt.kwargs)
+                new[gk] = Task(gk, run_gathered, gk, len(mine), prog, fresh or pt.args[1],
+                               *pt.args[2:], *flat, **pt.kwargs)
                 takes[gk] = refs[here]
                 fused.add(refs[here])
             else:
