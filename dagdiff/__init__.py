@@ -64,6 +64,7 @@ from .plan.profile import profile
 from .inspect.capture import record
 from .runtime.direct import install
 from .runtime.serialize import register as _register_serializers
+from .runtime.worker_jax import configure_worker_jax
 from .schedules import PipelineProgram, Schedule, compile_schedule, get_schedule
 from .train.checkpoint import load, save
 from .train.trainer import Trainer, TrainState
@@ -76,7 +77,9 @@ __version__ = "0.1.0"
 
 def dask_setup(worker: object) -> None:
     """Preload hook (``dask worker --preload dagdiff``, and dd.local_cluster's workers):
-    install the worker's direct-dispatch runtime before any task arrives."""
+    make its JAX settings (`runtime.worker_jax`: CPU computations run inline) and install
+    its direct-dispatch runtime, before any task arrives."""
+    configure_worker_jax(worker)
     install(worker)
 
 

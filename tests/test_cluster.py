@@ -97,3 +97,44 @@ def test_the_cluster_keeps_its_size_through_kills(kills: int) -> None:
     finally:
         client.close()
         cluster.close()
+
+
+def _long_call_is_ready_at_once() -> bool:
+    """Whether a ~0.1-1 s JAX computation is done when its call returns (it is when JAX
+    runs CPU computations inline; with asynchronous dispatch the call returns first)."""
+    import jax.numpy as jnp
+
+    def body(i: int, x: jax.Array) -> jax.Array:
+        return jnp.tanh(x @ x) * 0.5
+
+    f = jax.jit(lambda x: jax.lax.fori_loop(0, 60, body, x))
+    x = jnp.ones((384, 384), jnp.float32) * 0.01
+    f(x).block_until_ready()                        # compiled
+    y = f(x)
+    ready = y.is_ready()
+    y.block_until_ready()
+    return bool(ready)
+
+
+@pytest.mark.distributed
+def test_workers_run_cpu_computations_inline_and_the_client_keeps_its_dispatch(
+        client2: object) -> None:
+    """dd.local_cluster's workers run JAX's CPU computations in the calling thread (a
+    direct-dispatch program waits for each action anyway); the test process, which
+    imported dagdiff and started the cluster, keeps JAX's asynchronous dispatch."""
+    ready = client2.run(_long_call_is_ready_at_once)      # type: ignore[attr-defined]
+    assert list(ready.values()) == [True, True]
+    assert jax.config.read("jax_cpu_enable_async_dispatch") is True
+    assert _long_call_is_ready_at_once() is False
+
+
+def test_an_in_process_worker_leaves_the_users_jax_settings() -> None:
+    """A worker without a nanny shares its process (and JAX) with the user: dagdiff's
+    worker setup leaves JAX's settings there as they are."""
+    from dagdiff.runtime.worker_jax import configure_worker_jax
+
+    class InProcess:
+        nanny = None
+
+    assert configure_worker_jax(InProcess()) is False
+    assert jax.config.read("jax_cpu_enable_async_dispatch") is True

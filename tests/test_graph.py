@@ -237,6 +237,26 @@ def test_jax_array_wire_serialization() -> None:
     np.testing.assert_array_equal(y, x)
 
 
+
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+def test_typed_prng_keys_cross_the_wire_and_tokenize_by_content(impl: str) -> None:
+    """`jax.random.key` arrays (no NumPy view of their own) travel as their key data and
+    implementation, and two keys of the same data get the same dask token."""
+    from dask.base import tokenize
+    from distributed.protocol import deserialize, serialize
+
+    keys = jax.random.split(jax.random.key(3, impl=impl), 4)
+    header, frames = serialize(keys, serializers=("dask",))
+    back = deserialize(header, frames)
+    assert back.dtype == keys.dtype and back.shape == keys.shape
+    np.testing.assert_array_equal(jax.random.key_data(back), jax.random.key_data(keys))
+    np.testing.assert_array_equal(jax.random.normal(back[1], (3,)),
+                                  jax.random.normal(keys[1], (3,)))
+    same = jax.random.split(jax.random.key(3, impl=impl), 4)
+    other = jax.random.split(jax.random.key(4, impl=impl), 4)
+    assert tokenize(keys) == tokenize(same) != tokenize(other)
+    assert tokenize(jax.random.key_data(keys)) != tokenize(keys)
+
 @pytest.mark.distributed
 def test_vjp_runs_where_its_forward_ran(client2: Any) -> None:
     from distributed import get_task_stream

@@ -28,6 +28,7 @@ from .internals import (amm_policies, pin_task, shorten_interval, stream_comms, 
 from .live import LiveActions
 from .serialize import register
 from .tasks import pullback_of
+from .worker_jax import configure_worker_jax
 
 
 __all__ = ["ColocateVJP", "ensure_colocation", "MEMBERSHIP_TOPIC", "is_registered"]
@@ -140,6 +141,7 @@ class LoadDagdiff(WorkerPlugin):
 
     def setup(self, worker: Any) -> None:
         register()                  # sizeof and serializers of jax arrays (idempotent)
+        configure_worker_jax(worker)   # no effect once the process computed with JAX
         self.runtime = install(worker)
         # worker->scheduler: 2 ms by default
         shorten_interval(worker_stream(worker), _latency())

@@ -21,7 +21,9 @@ from .tasks import FwdResult
 
 __all__ = ["register", "jax_array_type"]
 
-jax_array_type: type = type(jnp.zeros(()))
+#: every jax array's type is a subclass (dispatch walks the MRO); naming it does not start
+#: JAX's backends, so importing dagdiff leaves a worker free to configure them first
+jax_array_type: type = jax.Array
 _done = False
 _lock = threading.Lock()
 _tokens: dict[int, tuple[Any, str]] = {}
@@ -41,7 +43,10 @@ def _normalize_jax(x: Any) -> tuple[Any, ...]:
     hit = _tokens.get(ident)
     if hit is not None and hit[0]() is x:
         return ("jax.Array", hit[1])
-    tok = normalize_token(np.asarray(x))
+    if _is_key(x):      # typed PRNG keys: their data and their implementation's name
+        tok: Any = (str(x.dtype), normalize_token(np.asarray(jax.random.key_data(x))))
+    else:
+        tok = normalize_token(np.asarray(x))
     text = repr(tok)
     try:
         ref = weakref.ref(x, lambda _r, i=ident: _tokens.pop(i, None))
@@ -51,7 +56,16 @@ def _normalize_jax(x: Any) -> tuple[Any, ...]:
     return ("jax.Array", text)
 
 
+def _is_key(x: Any) -> bool:
+    """Whether `x` is a typed PRNG key array (``jax.random.key``): no NumPy view of its own."""
+    return bool(jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key))
+
+
 def _serialize_jax(x: Any) -> tuple[dict[str, Any], list[Any]]:
+    if _is_key(x):
+        header, frames = serialize_numpy_ndarray(np.asarray(jax.random.key_data(x)))
+        header["key_impl"] = str(jax.random.key_impl(x))
+        return header, frames
     header, frames = serialize_numpy_ndarray(np.asarray(x))
     header["weak_type"] = bool(getattr(x, "weak_type", False))
     return header, frames
@@ -59,6 +73,9 @@ def _serialize_jax(x: Any) -> tuple[dict[str, Any], list[Any]]:
 
 def _deserialize_jax(header: dict[str, Any], frames: list[Any]) -> Any:
     arr = deserialize_numpy_ndarray(header, frames)
+    impl = header.get("key_impl")
+    if impl is not None:
+        return jax.random.wrap_key_data(jnp.asarray(arr), impl=impl)
     return jnp.asarray(arr)  # onto this process's default device (its GPU on a GPU worker)
 
 
@@ -109,5 +126,3 @@ def _register_cuda() -> None:
         arr = cuda_deserialize.dispatch(cupy.ndarray)(header, frames)
         return jax.dlpack.from_dlpack(arr)
 
-
-_ = jax  # jax must be importable for jax_array_type
