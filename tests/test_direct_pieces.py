@@ -4,6 +4,7 @@ sends to workers that are gone, TLS."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from typing import Any
 
@@ -223,11 +224,14 @@ def dask_config(values: dict[str, Any]) -> Any:
     return dask.config.set(values)
 
 
-def _send_many(n: int, to: str, dask_worker: Any) -> None:
+def _send_many(n: int, to: str, lanes: bool, run: str, dask_worker: Any) -> None:
+    import dask
+
     rt = dask_worker.extensions["dagdiff"]
-    for i in range(n):
-        rt.transport.send(to, Value("r-order", f"k{i}", 1, pack(np.full(3, i))),
-                          lambda e: None)
+    with dask.config.set({"dagdiff.direct.lanes": lanes}):
+        for i in range(n):
+            rt.transport.send(to, Value(run, f"k{i}", 1, pack(np.full(3, i))),
+                              lambda e: None)
 
 
 def _received(run: str, dask_worker: Any) -> tuple[list[str], dict[str, str]]:
@@ -247,14 +251,81 @@ def _until(fn: Any, within: float = 20.0) -> Any:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("where", ["tcp", "inproc"])
+@pytest.mark.parametrize("where", ["tcp", "tcp-comm", "inproc"])
 def test_messages_arrive_in_order(where: str, request: Any) -> None:
-    client = request.getfixturevalue("client2" if where == "tcp" else "inproc")
+    """On a lane (tcp), on the comm itself (config ``dagdiff.direct.lanes: false``) and
+    in-process: 300 messages queued at once arrive in their order."""
+    client = request.getfixturevalue("inproc" if where == "inproc" else "client2")
     a0, a1 = _addresses(client)
-    client.run(_send_many, 300, a1, workers=[a0])
-    got = _until(lambda: len(client.run(_received, "r-order", workers=[a1])[a1][0]) == 300
-                 and client.run(_received, "r-order", workers=[a1])[a1][0])
+    run = f"r-order-{where}"
+    try:
+        client.run(_send_many, 300, a1, where == "tcp", run, workers=[a0])
+        got = _until(lambda: len(client.run(_received, run, workers=[a1])[a1][0]) == 300
+                     and client.run(_received, run, workers=[a1])[a1][0])
+    finally:
+        client.run(_forget_run, run, workers=[a1])
     assert got == [f"k{i}" for i in range(300)]
+
+
+def _send_from_a_program_thread(to: str, run: str, dask_worker: Any) -> list[str]:
+    """Send small and large values alternately from a thread that runs no event loop (as
+    a program does): small ones are written by this thread, large ones by the lane's
+    writer thread; returns the errors `done` was told of."""
+    rt = dask_worker.extensions["dagdiff"]
+    errors: list[str] = []
+    done = threading.Event()
+    left = [120]
+    lock = threading.Lock()
+
+    def told(err: BaseException | None) -> None:
+        with lock:
+            if err is not None:
+                errors.append(repr(err))
+            left[0] -= 1
+            if left[0] == 0:
+                done.set()
+
+    def body() -> None:
+        for i in range(120):
+            n = 3 if i % 3 else 50_000               # 400 KB: over lanes.INLINE_WRITE
+            rt.transport.send(to, Value(run, f"k{i}", 1, pack(np.full(n, float(i)))), told)
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    assert done.wait(60), "not every send was told of its outcome"
+    return errors
+
+
+def _received_values(run: str, dask_worker: Any) -> list[tuple[str, float, int]]:
+    st = dask_worker.extensions["dagdiff"]._runs.get(run)
+    if st is None:
+        return []
+    return [(k, float(v[0][0]), v[0].size) for k, v in st.values.items()]
+
+
+def _lane_threads(dask_worker: Any) -> list[str]:
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("dagdiff-lane"))
+
+
+@pytest.mark.distributed
+def test_a_programs_small_and_large_values_keep_their_order_on_a_lane(client2: Any) -> None:
+    """A program thread writes a small value itself and leaves a large one to the lane's
+    writer thread: the receiver still gets them in the order they were sent, whole."""
+    a0, a1 = _addresses(client2)
+    run = "r-mixed"
+    try:
+        errors = client2.run(_send_from_a_program_thread, a1, run, workers=[a0])[a0]
+        got = _until(lambda: (lambda g: g if len(g) == 120 else None)(
+            client2.run(_received_values, run, workers=[a1])[a1]))
+    finally:
+        client2.run(_forget_run, run, workers=[a1])
+    assert errors == []
+    assert [k for k, _, _ in got] == [f"k{i}" for i in range(120)]
+    assert all(v == float(i) and n == (3 if i % 3 else 50_000)
+               for i, (_, v, n) in enumerate(got))
+    assert any(n.startswith("dagdiff-lane-to-") for n in client2.run(_lane_threads)[a0])
+    assert any(n.startswith("dagdiff-lane-from-") for n in client2.run(_lane_threads)[a1])
 
 
 def _send_values(to: str, dask_worker: Any) -> None:
@@ -384,13 +455,20 @@ def test_a_value_that_does_not_deserialize_arrives_as_an_error(client2: Any) -> 
     assert "cannot rebuild this here" in errors["bad"]
 
 
+def _on_loop(fut: Any) -> Any:
+    """A send's `done` that sets `fut` on its event loop (`done` runs in whichever thread
+    wrote the message)."""
+    loop = fut.get_loop()
+    return lambda err: loop.call_soon_threadsafe(fut.set_result, err)
+
+
 async def _send_to_dead(to: str, dask_worker: Any) -> Any:
     import asyncio
 
     rt = dask_worker.extensions["dagdiff"]
     got: asyncio.Future = asyncio.get_running_loop().create_future()
     t0 = time.perf_counter()
-    rt.transport.send(to, Value("r-dead", "k", 1, pack(1)), got.set_result)
+    rt.transport.send(to, Value("r-dead", "k", 1, pack(1)), _on_loop(got))
     err = await asyncio.wait_for(got, 60)
     return (None if err is None else type(err).__name__), time.perf_counter() - t0
 
@@ -415,9 +493,9 @@ async def _send_unserializable_then_good(to: str, dask_worker: Any) -> Any:
     loop = asyncio.get_running_loop()
     bad: asyncio.Future = loop.create_future()
     good: asyncio.Future = loop.create_future()
-    rt.transport.send(to, Value("r-unser", "bad", 1, pack(threading.Lock())), bad.set_result)
+    rt.transport.send(to, Value("r-unser", "bad", 1, pack(threading.Lock())), _on_loop(bad))
     err = await asyncio.wait_for(bad, 30)
-    rt.transport.send(to, Value("r-unser", "good", 1, pack(np.ones(2))), good.set_result)
+    rt.transport.send(to, Value("r-unser", "good", 1, pack(np.ones(2))), _on_loop(good))
     ok = await asyncio.wait_for(good, 30)
     return type(err).__name__, ok
 
@@ -472,6 +550,8 @@ def test_pipelines_run_direct_on_a_tls_cluster_and_open_no_port_of_their_own() -
                 assert_matches_jax(loss_fn, (params, x, t), got_l, got_g)
         for addr, (mine, own) in client.run(_listening_ports).items():
             assert set(mine) <= set(own), (addr, mine, own)
+        for addr, names in client.run(_lane_threads).items():    # values went on lanes
+            assert any(n.startswith("dagdiff-lane-from-tls://") for n in names), (addr, names)
     finally:
         client.close()
         cluster.close()
@@ -581,3 +661,42 @@ def test_a_program_task_released_before_its_program_began_stops_as_it_begins() -
     rt.cancel("prog_slot0-n0-x")                       # another task's mark
     assert rt._run(prog, "n2", (), secede=False) == {}  # no actions: it just runs
     assert rt._running == {}
+
+
+async def _lose_and_send_again(to: str, run: str, dask_worker: Any) -> tuple[bool, bool, Any]:
+    import asyncio
+
+    rt = dask_worker.extensions["dagdiff"]
+    loop = asyncio.get_running_loop()
+    first: asyncio.Future = loop.create_future()
+    rt.transport.send(to, Value(run, "before", 1, pack(np.ones(2))), _on_loop(first))
+    assert await asyncio.wait_for(first, 30) is None
+    had = to in rt.transport._lanes
+    await rt._peer_lost(to)                     # as the scheduler's plugin calls it
+    gone = to not in rt.transport._lanes
+    again: asyncio.Future = loop.create_future()
+    rt.transport.send(to, Value(run, "after", 1, pack(np.ones(2))), _on_loop(again))
+    return had, gone, await asyncio.wait_for(again, 30)
+
+
+@pytest.mark.distributed
+def test_a_lost_workers_lane_is_closed_and_a_later_send_opens_a_new_one(client2: Any) -> None:
+    """When the scheduler reports a worker removed, the lane to it is closed (no socket
+    and thread kept for a worker that left); a worker at that address later gets a new
+    lane, and its messages arrive."""
+    a0, a1 = _addresses(client2)
+    run = "r-lost"
+    try:
+        had, gone, err = client2.run(_lose_and_send_again, a1, run, workers=[a0])[a0]
+        got = _until(lambda: (lambda v: v if len(v[0]) == 2 else None)(
+            client2.run(_received, run, workers=[a1])[a1]))
+    finally:
+        client2.run(_forget_run, run, workers=[a1])
+        client2.run(_forget_lost, a1, workers=[a0])
+    assert (had, gone, err) == (True, True, None)
+    assert got[0] == ["before", "after"]
+
+
+def _forget_lost(address: str, dask_worker: Any) -> None:
+    """Undo `_peer_lost`'s record (this shared cluster's worker is still there)."""
+    dask_worker.extensions["dagdiff"].lost.pop(address, None)

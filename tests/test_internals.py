@@ -81,7 +81,8 @@ def test_a_comm_takes_the_offload_switch() -> None:
 
 PRIVATE = ("_update_worker_status", "_correct_state", "worker_restrictions",
            "loose_restrictions", "stream_comms", "batched_stream", "scheduler_delay",
-           "merge_and_deserialize", "serialize_numpy_ndarray", "dont_reply", "allow_offload")
+           "merge_and_deserialize", "serialize_numpy_ndarray", "dont_reply", "allow_offload",
+           "_read_buffer_size", "remove_handler")
 
 
 def test_no_other_module_reaches_into_distributed_internals() -> None:
@@ -106,3 +107,55 @@ def test_no_other_module_reaches_into_distributed_internals() -> None:
                     found.append(f"{where}:{node.lineno}: {node.value!r}")
     assert not found, "distributed internals outside dagdiff/runtime/internals.py: " + \
         "; ".join(found)
+
+
+@pytest.mark.parametrize("tls", [False, True])
+def test_a_tcp_or_tls_comms_socket_can_be_taken_from_the_event_loop(tls: bool) -> None:
+    """`internals.take_socket` (direct dispatch's lanes): after a message on the comm,
+    both ends' sockets are handed to the caller in blocking mode and carry raw bytes both
+    ways; an inproc comm has none to hand over."""
+    import asyncio
+
+    from distributed.comm import connect, listen
+    from distributed.security import Security
+
+    sec = Security.temporary() if tls else Security()
+    scheme = "tls" if tls else "tcp"
+
+    async def main() -> tuple[bytes, bytes, bool]:
+        taken: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        async def handle(comm: Any) -> None:
+            await comm.read()
+            taken.set_result((comm, await internals.take_socket(comm)))
+
+        listener = listen(f"{scheme}://127.0.0.1:0", handle,
+                          **sec.get_listen_args("scheduler"))
+        await listener.start()
+        comm = await connect(listener.contact_address, **sec.get_connection_args("worker"))
+        await comm.write({"op": "hello"})
+        mine = await internals.take_socket(comm)
+        theirs_comm, theirs = await asyncio.wait_for(taken, 10)
+        assert mine is not None and theirs is not None
+        assert mine.getblocking() and theirs.getblocking()
+
+        def exchange() -> tuple[bytes, bytes]:
+            mine.sendall(b"ping")
+            got = theirs.recv(4)
+            theirs.sendall(b"pong")
+            return got, mine.recv(4)
+
+        got = await asyncio.get_running_loop().run_in_executor(None, exchange)
+        comm.abort()
+        theirs_comm.abort()
+        listener.stop()
+
+        inproc = listen("inproc://", lambda c: None)
+        await inproc.start()
+        c2 = await connect(inproc.contact_address)
+        none = await internals.take_socket(c2) is None
+        c2.abort()
+        inproc.stop()
+        return got[0], got[1], none
+
+    assert asyncio.run(main()) == (b"ping", b"pong", True)

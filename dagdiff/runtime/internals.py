@@ -13,12 +13,15 @@ Public API is used wherever it exists; what is left here has no public equivalen
 - the worker's estimate of its clock offset to the scheduler (`Worker.scheduler_delay`);
 - raw comms for direct dispatch: `Comm.deserialize`, `Status.dont_reply`,
   `merge_and_deserialize`, NumPy's (de)serializers;
+- the socket under a tcp/tls comm (`TCP.stream`, tornado's read buffer), handed from the
+  event loop to direct dispatch's lane threads (`take_socket`);
 - the task-stream plugin's record format (its `transition` hook);
 - `SpecCluster`'s worker-status hook and state correction (`_update_worker_status`,
   `_correct_state`).
 """
 from __future__ import annotations
 
+import socket
 from typing import Any, Mapping
 
 from distributed.core import Status
@@ -30,7 +33,7 @@ from distributed.protocol.serialize import merge_and_deserialize
 __all__ = ["DONT_REPLY", "merge_and_deserialize", "serialize_numpy_ndarray",
            "deserialize_numpy_ndarray", "stream_comms", "worker_stream", "shorten_interval",
            "pin_task", "unpin_task", "task_pinned", "amm_policies", "scheduler_delay", "raw_comm",
-           "inline_writes", "task_stream_record", "cluster_status_hook", "correct_state",
+           "inline_writes", "take_socket", "task_stream_record", "cluster_status_hook", "correct_state",
            "task_spec", "REQUIRED"]
 
 #: a handler's return value that tells distributed not to answer on the comm
@@ -55,6 +58,7 @@ REQUIRED: tuple[tuple[str, str], ...] = (
     ("Worker instance", "batched_stream.interval"),
     ("Worker instance", "scheduler_delay"),
     ("Comm instance", "deserialize"),
+    ("tcp Comm instance", "stream.socket, stream._read_buffer_size (take_socket)"),
 )
 
 #: the name distributed's TaskStreamPlugin registers under
@@ -123,6 +127,27 @@ def inline_writes(comm: Any) -> Any:
     values are arrays, whose serialization takes their buffers without copying."""
     comm.allow_offload = False
     return comm
+
+
+async def take_socket(comm: Any) -> socket.socket | None:
+    """The socket under a tcp or tls comm, taken from the event loop for threads of the
+    caller's to read or write (blocking mode), once the comm's pending writes went out;
+    None where the comm has no socket of its own (inproc, UCX) or has read bytes beyond the
+    last message (they would be lost). Afterwards the comm must not be read or written;
+    `comm.abort()` (on the event loop) still closes the socket. Call on the event loop."""
+    stream = getattr(comm, "stream", None)
+    sock = getattr(stream, "socket", None)
+    if stream is None or not isinstance(sock, socket.socket):
+        return None
+    if stream.writing():
+        await stream.write(b"")                 # resolves once the write buffer is empty
+    pending = getattr(sock, "pending", None)    # an SSL socket's decrypted, unread bytes
+    if stream._read_buffer_size or (pending is not None and pending()):
+        return None
+    stream.set_close_callback(None)             # no reads of tornado's to notice a close
+    stream.io_loop.remove_handler(sock)         # tornado stops watching it
+    sock.setblocking(True)
+    return sock
 
 
 def task_stream_record(scheduler: Any, key: str, start: float, stop: float, worker: str,

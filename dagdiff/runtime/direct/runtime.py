@@ -158,6 +158,7 @@ class DirectRuntime:
             runs = list(self._runs.values())
         for st in runs:
             st.peers_lost((address,))
+        self.transport.forget(address)
 
     # --- messages in ----------------------------------------------------------------------
     def _deliver(self, msg: Message | DecodeError) -> None:

@@ -5,16 +5,22 @@ worker's own connection arguments: the cluster's `Security` (TLS), its comm back
 (tcp, tls, inproc, UCX) and Dask's serializers all apply) and announces it with the
 handler op ``dagdiff_stream``, which dagdiff's worker extension registers on every
 worker (as distributed's P2P shuffle registers its handlers). No socket is opened that
-Dask does not own. Messages to one peer are written in order on that comm, several at a
-time when they queue up; the receiver reads them in order and hands them over one by
-one. A program queues its messages from its own thread (`Transport.send`) and goes on;
-the worker's event loop writes them.
+Dask does not own. On tcp and tls the comm's socket then becomes a *lane* (`lanes`):
+threads write and read it, a program's small message is on the wire when `send`
+returns, and the receiver's reader thread hands it over, without either event loop.
+On other backends (and with dask config ``dagdiff.direct.lanes: false``) messages to one
+peer are written in order on that comm by the worker's event loop, several at a time when
+they queue up, and the receiver reads them there. Either way a peer's messages arrive in
+the order they were sent, and a value that cannot be rebuilt arrives as an error for its
+key.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
 import logging
+import socket
+import threading
 import time
 from typing import Any, Callable
 
@@ -23,6 +29,7 @@ from distributed.comm.core import CommClosedError
 from distributed.protocol import Serialize, Serialized
 
 from ..internals import DONT_REPLY, inline_writes, merge_and_deserialize, raw_comm
+from .lanes import OutLane, accept_lane, lanes_for, open_lane, shutdown
 from .messages import Message, from_wire, to_wire
 
 
@@ -61,22 +68,67 @@ class _Peer:
 
 class Transport:
     """One worker's message streams: `send` from any thread, received messages handed to
-    `deliver` on the event loop, in each sender's order."""
+    `deliver` (from a lane's reader thread, or on the event loop), in each sender's
+    order. `deliver` must be thread-safe."""
 
     def __init__(self, worker: Any, deliver: Callable[[Message | DecodeError], None],
                  ) -> None:
         self.worker = worker
         self.deliver = deliver
         self._peers: dict[str, _Peer] = {}
+        self._lanes: dict[str, OutLane] = {}
+        self._lanes_lock = threading.Lock()
+        self._in_sockets: set[socket.socket] = set()
         self._closed = False
         worker.handlers[STREAM_OP] = self._accept
 
     # --- sending ------------------------------------------------------------------------
     def send(self, address: str, msg: Message, done: Done) -> None:
-        """Queue `msg` for the worker at `address` (thread-safe, returns at once); `done`
-        runs on the event loop once it was written (None) or could not be (the error)."""
+        """Send `msg` to the worker at `address` (thread-safe; a program's small message on
+        a lane is written before this returns, others are queued); `done` is told, from
+        whichever thread wrote it (this one, a lane's writer, the event loop), None once it
+        was written or the error that stopped it."""
         wire = to_wire(msg)
+        if lanes_for(address):
+            self._lane(address).send(wire, done)
+            return
         self.worker.loop.add_callback(self._enqueue, address, wire, done)
+
+    def _lane(self, address: str) -> OutLane:
+        lane = self._lanes.get(address)
+        if lane is not None:
+            return lane
+        with self._lanes_lock:
+            lane = self._lanes.get(address)
+            if lane is None:
+                lane = self._lanes[address] = OutLane(
+                    address, lambda: self._open_lane(address), self._abort_comm, _on_loop,
+                    FAIL_FAST_FOR, WRITE_TIMEOUT, CONNECT_TIMEOUT)
+                if self._closed:
+                    lane.close()
+            return lane
+
+    def forget(self, address: str) -> None:
+        """The worker at `address` left the cluster: close the lane to it (its queued
+        messages fail; a later send to that address opens a new one)."""
+        with self._lanes_lock:
+            lane = self._lanes.pop(address, None)
+        if lane is not None:
+            lane.close()
+
+    def _open_lane(self, address: str) -> Any:
+        """Open a lane to `address` from a lane's writer thread (the connect runs on the
+        event loop)."""
+        loop = self.worker.loop.asyncio_loop
+        fut = asyncio.run_coroutine_threadsafe(
+            open_lane(self.worker, address, CONNECT_TIMEOUT, STREAM_OP), loop)
+        return fut.result(CONNECT_TIMEOUT + 5)
+
+    def _abort_comm(self, comm: Any) -> None:
+        try:
+            self.worker.loop.add_callback(comm.abort)
+        except RuntimeError:                     # the loop is closed: so is the socket
+            pass
 
     def _enqueue(self, address: str, wire: dict[str, Any], done: Done) -> None:
         if self._closed:
@@ -145,45 +197,70 @@ class Transport:
             await asyncio.sleep(0)              # let senders on this loop queue more
 
     # --- receiving ----------------------------------------------------------------------
-    async def _accept(self, comm: Any) -> Any:
-        """Handler of ``dagdiff_stream``: read the peer's messages until it hangs up.
-        Values are deserialized one by one, so one that fails becomes an error for its
-        key and the stream goes on."""
+    async def _accept(self, comm: Any, lane: bool = False) -> Any:
+        """Handler of ``dagdiff_stream``: read the peer's messages until it hangs up (on a
+        lane: its reader thread reads them). Values are deserialized one by one, so one
+        that fails becomes an error for its key and the stream goes on."""
         raw_comm(comm)
+        peer = comm.peer_address
+        if lane:
+            if not await accept_lane(comm, lambda msgs: self._received(msgs, peer),
+                                     self._in_sockets):
+                comm.abort()                    # the sender sees no ACK: it fails
+            return DONT_REPLY
         while not comm.closed():
             try:
                 msgs = await comm.read()
             except (CommClosedError, OSError):
                 break
-            for d in msgs if isinstance(msgs, (list, tuple)) else [msgs]:
-                named = (d.get("run"), d.get("key")) if isinstance(d, dict) else (None, None)
-                try:
-                    msg: Message | DecodeError = from_wire(_decoded(d))
-                except DecodeError as e:
-                    msg = e
-                except Exception as e:          # noqa: BLE001 - a malformed message
-                    if None in named:
-                        log.warning("dagdiff: dropped a message from %s (%s: %s)",
-                                    comm.peer_address, type(e).__name__, e)
-                        continue
-                    # a value that cannot be rebuilt here: its consumer fails now, naming
-                    # it, instead of waiting for it until the step's timeout
-                    msg = DecodeError(*named, f"{type(e).__name__}: {e}")
-                try:
-                    self.deliver(msg)
-                except Exception:               # noqa: BLE001 - never stop the stream
-                    log.exception("dagdiff: delivering a message failed")
+            self._received(msgs, peer)
         return DONT_REPLY
 
+    def _received(self, msgs: Any, peer: str) -> None:
+        """Hand each message read from `peer` to `deliver` (any thread)."""
+        for d in msgs if isinstance(msgs, (list, tuple)) else [msgs]:
+            named = (d.get("run"), d.get("key")) if isinstance(d, dict) else (None, None)
+            try:
+                msg: Message | DecodeError = from_wire(_decoded(d))
+            except DecodeError as e:
+                msg = e
+            except Exception as e:          # noqa: BLE001 - a malformed message
+                if None in named:
+                    log.warning("dagdiff: dropped a message from %s (%s: %s)",
+                                peer, type(e).__name__, e)
+                    continue
+                # a value that cannot be rebuilt here: its consumer fails now, naming
+                # it, instead of waiting for it until the step's timeout
+                msg = DecodeError(*named, f"{type(e).__name__}: {e}")
+            try:
+                self.deliver(msg)
+            except Exception:               # noqa: BLE001 - never stop the stream
+                log.exception("dagdiff: delivering a message failed")
+
     def close(self) -> None:
-        """Stop sending: queued messages fail, comms are closed."""
+        """Stop sending and receiving: queued messages fail, comms and lanes are closed."""
         self._closed = True
+        with self._lanes_lock:
+            lanes = list(self._lanes.values())
+        for lane in lanes:
+            lane.close()
+        for sock in list(self._in_sockets):
+            shutdown(sock)
         for peer in self._peers.values():
             for _, done in list(peer.queue):
                 done(ConnectionError(f"{self.worker.address} is closing"))
             peer.queue.clear()
             if peer.comm is not None:
                 peer.comm.abort()
+
+
+def _on_loop() -> bool:
+    """Whether the calling thread runs an event loop (it does not block on a socket)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 _timeout = getattr(asyncio, "timeout", None)       # Python >= 3.11
