@@ -33,8 +33,8 @@ from distributed.protocol.serialize import merge_and_deserialize
 __all__ = ["DONT_REPLY", "merge_and_deserialize", "serialize_numpy_ndarray",
            "deserialize_numpy_ndarray", "stream_comms", "worker_stream", "shorten_interval",
            "pin_task", "unpin_task", "task_pinned", "amm_policies", "scheduler_delay", "raw_comm",
-           "inline_writes", "take_socket", "task_stream_record", "cluster_status_hook", "correct_state",
-           "task_spec", "REQUIRED"]
+           "inline_writes", "take_socket", "task_stream_record", "cluster_status_hook",
+           "correct_state", "task_spec", "REQUIRED"]
 
 #: a handler's return value that tells distributed not to answer on the comm
 DONT_REPLY = Status.dont_reply
