@@ -136,7 +136,8 @@ def _fit_with_kills(client: Any, n: int, opt: Any, replicas: int, kills: int,
                          copy_interval=0 if copy_every < 10 else None)
     reference = jax_reference(opt, params, batches)
     with Killer(client, n, kills, seed) as killer:
-        for _ in range(30):                 # fit again until every kill hit a fit
+        deadline = time.time() + 300        # a kill's replacement worker takes seconds
+        while time.time() < deadline:       # fit again until every kill hit a fit
             kills_before = killer.done
             state, losses = trainer.fit(batches, state=trainer.init(params), progress=False)
             got = trainer.params(state)
@@ -550,7 +551,7 @@ def test_scale_down_and_up_mid_fit_moves_stages_and_back() -> None:
     cluster = dd.local_cluster(n_workers=4, dashboard_address=None, quiet=True)
     client = Client(cluster, set_as_default=False)
     try:
-        params, batches = make_data(60)
+        params, batches = make_data(240)      # a fit of seconds: the resize hits it
         opt = optax.adam(1e-2)
         ref = dd.Trainer(loss_fn, opt, microbatches=4, schedule="1f1b", client=client,
                          placement={0: 0, 1: 3})
@@ -559,7 +560,10 @@ def test_scale_down_and_up_mid_fit_moves_stages_and_back() -> None:
                              placement={0: 0, 1: 3})
 
         def resize() -> None:
-            time.sleep(0.8)
+            time.sleep(0.3)
+            deadline = time.time() + 30       # mid-fit: while a program runs
+            while time.time() < deadline and not any(client.run(_running).values()):
+                time.sleep(0.01)
             cluster.scale(3)                  # the newest worker goes: slot3, stage 1's
             deadline = time.time() + 60
             while len(client.scheduler_info()["workers"]) > 3 and time.time() < deadline:
