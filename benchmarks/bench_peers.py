@@ -23,7 +23,7 @@ Systems (--systems, default all that are installed):
   dagdiff-fit8   `trainer.fit(batches, window=8)`: the same fit, 8 steps per Dask
                  computation (one program task per worker for 8 steps)
   dagdiff-fitauto  `trainer.fit(batches)` with its default window="auto" (timed on the
-                 first steps: a window spans ~0.5 s of steps, at most 16)
+                 first steps: a window spans ~0.5 s of steps, at most 64)
   dagdiff-fit    the same Trainer's own loop, `trainer.fit(batches, window=1)` (steps
                  submitted ahead):
                  per step = the fit's time / its steps (median of 3 fits after a warm-up fit)

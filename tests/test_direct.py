@@ -663,12 +663,12 @@ def test_a_gathered_step_failing_on_one_worker_gives_no_outputs_of_the_other(
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("seconds,size", [(60.0, 16), (1e-6, 1)])
+@pytest.mark.parametrize("seconds,size", [(60.0, 64), (1e-6, 1)])
 def test_fit_chooses_its_window_from_the_first_steps_times(client2: Any, monkeypatch: Any,
                                                            seconds: float, size: int) -> None:
     """`trainer.fit` (window="auto", the default): the first steps go one by one; then a
-    window spans about dask config ``dagdiff.fit.window-seconds`` of steps, at most 16:
-    with a minute, windows of 16 from then on; with a microsecond, every step alone. A
+    window spans about dask config ``dagdiff.fit.window-seconds`` of steps, at most 64:
+    with a minute, windows of 64 from then on; with a microsecond, every step alone. A
     second fit (the next epoch) starts with that choice, and one aiming at another time
     chooses again. The losses and parameters equal plain JAX + optax either way."""
     import optax
@@ -689,8 +689,8 @@ def test_fit_chooses_its_window_from_the_first_steps_times(client2: Any, monkeyp
         assert sizes == []
     else:
         # steps 0-6 alone (step 6's submission waits for the fifth step's end: the first,
-        # with compilation, then 3 gaps timed), then 7-22 as one window, then 23 alone
-        assert sizes == [[16, 16]]
+        # with compilation, then 3 gaps timed), then 7-23 as one window (of the 64 chosen)
+        assert sizes == [[17, 17]]
     p, want = _optax_reference(opt, params, batches)
     np.testing.assert_allclose(losses, want, rtol=1e-5)
     close(tr.params(state), p)
@@ -700,8 +700,8 @@ def test_fit_chooses_its_window_from_the_first_steps_times(client2: Any, monkeyp
         state, more = tr.fit(batches[:17], state=state, progress=False)
     sizes = [[t.args[1] for t in g.values() if getattr(t, "func", None) is run_programs]
              for g in graphs]
-    assert sizes == ([] if size == 1 else [[16, 16]])           # then step 16 alone
-    other = 1e-6 if size == 16 else 60.0
+    assert sizes == ([] if size == 1 else [[17, 17]])           # all 17 in one window
+    other = 1e-6 if size == 64 else 60.0
     del graphs[:]
     with dask.config.set({"dagdiff.fit.window-seconds": other}):
         state, last = tr.fit(batches[:8], state=state, progress=False)
@@ -712,14 +712,14 @@ def test_fit_chooses_its_window_from_the_first_steps_times(client2: Any, monkeyp
 
 
 def test_an_auto_window_holds_at_most_64_mib_of_batches() -> None:
-    """`fit`'s auto window: as many steps as span its target time, at most 16, and at
+    """`fit`'s auto window: as many steps as span its target time, at most 64, and at
     most `AutoWindow.MAX_BYTES` (64 MiB) of batch arrays (a window's batches travel in
-    its graph): 16 steps of 1 MiB batches, 4 of 16 MiB, 1 of 100 MiB."""
+    its graph): 64 steps of 1 MiB batches (or of 0.5 MiB), 4 of 16 MiB, 1 of 100 MiB."""
     from dagdiff.train.fit import AutoWindow
 
-    for mib, want in ((1, 16), (16, 4), (100, 1)):
+    for mib, want in ((0.5, 64), (1, 64), (16, 4), (100, 1)):
         auto = AutoWindow(seconds=60.0)
-        x = np.zeros((mib, 2**18), np.float32)          # `mib` MiB (calloc: not touched)
+        x = np.zeros((int(mib * 4), 2**16), np.float32)  # `mib` MiB (calloc: untouched)
         kept: dict[Any, int] = {}
         auto.start(kept, ("batch", mib), (x,))
         for _ in range(AutoWindow.TIMED + 2):
@@ -730,12 +730,13 @@ def test_an_auto_window_holds_at_most_64_mib_of_batches() -> None:
 
 def test_an_auto_window_grows_once_when_windowed_steps_are_faster() -> None:
     """Timed on one-by-one steps of 100 ms, a 0.5 s window is 5 steps; when its windows
-    then end every 50 ms (10 ms a step: Dask's fixed cost amortized), it grows once to
-    the most steps (16) and keeps that for later fits; slower windowed steps keep it."""
+    then end every 40 ms (8 ms a step: Dask's fixed cost amortized), it grows once to
+    the 62 steps that span 0.5 s and keeps that for later fits; slower windowed steps
+    keep it; where windowed steps take 2 ms, it grows to the most steps (64)."""
     from dagdiff.train.fit import AutoWindow
 
     now = [0.0]
-    for window_ms, want in ((50.0, 16), (600.0, 5)):
+    for window_ms, want in ((40.0, 62), (600.0, 5), (10.0, 64)):
         now[0] = 0.0
         auto = AutoWindow(seconds=0.5, clock=lambda: now[0])
         kept: dict[Any, int] = {}

@@ -198,3 +198,40 @@ def test_abstract_inputs_of_other_shapes_or_dtypes_give_other_trace_tokens() -> 
     tokens = [token(jax.ShapeDtypeStruct(s, d, weak_type=w)) for s, d, w in kinds]
     assert len(set(tokens)) == len(kinds)
     assert token(jax.ShapeDtypeStruct((3,), jax.numpy.bfloat16)) == tokens[4]
+
+
+def test_a_closed_traces_digest_is_kept_and_its_token_still_tells_extras_and_bindings(
+        monkeypatch: Any) -> None:
+    """A Trainer tokenizes its one trace every step: the structure and input values of a
+    closed trace are hashed once per binding, and the token still changes with the extra
+    parts, the bound inputs, and from one trace to another of other values."""
+    from dagdiff.core.trace_fn import trace_call
+    from dagdiff.lowering import lower as lower_mod
+
+    @dd.layer
+    def scale(p: Any, x: Any) -> Any:
+        return x * p
+
+    def fn(p: Any, x: Any) -> Any:
+        return scale(p, x)
+
+    calls = []
+    real = lower_mod._structure_digest
+    monkeypatch.setattr(lower_mod, "_structure_digest",
+                        lambda *a: calls.append(1) or real(*a))
+    trace, _, _ = trace_call(fn, (np.float32(2.0), np.ones(3, np.float32)), {}, (0,), "fn")
+    assert trace.closed
+    first = lower_mod.trace_token(trace, ("opts", 1))
+    assert lower_mod.trace_token(trace, ("opts", 1)) == first
+    assert lower_mod.trace_token(trace, ("opts", 2)) != first
+    assert len(calls) == 1                                   # hashed once for both extras
+    x_node = [n.index for n in trace.nodes if n.kind != "call"][-1]
+    bound = lower_mod.trace_token(trace, ("opts", 1), bound={x_node: 0})
+    assert bound != first and len(calls) == 2
+    assert lower_mod.trace_token(trace, ("opts", 1), bound={x_node: 0}) == bound
+    assert lower_mod.trace_token(trace, ("opts", 1), bound={x_node: 1}) != bound
+    other, _, _ = trace_call(fn, (np.float32(2.0), np.full(3, 2.0, np.float32)), {}, (0,),
+                             "fn")
+    assert lower_mod.trace_token(other, ("opts", 1)) != first    # other input values
+    again, _, _ = trace_call(fn, (np.float32(2.0), np.ones(3, np.float32)), {}, (0,), "fn")
+    assert lower_mod.trace_token(again, ("opts", 1)) == first    # the same, traced again

@@ -7,6 +7,7 @@ task; inputs become data nodes. Data dependencies come only from the traced grap
 from __future__ import annotations
 
 import hashlib
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Mapping
 
@@ -57,6 +58,11 @@ class Lowered:
         return key
 
 
+#: per closed trace, per bound set: the digest of its structure and input values (a
+#: Trainer traces once per batch signature and tokenizes that trace every step)
+_digests: "weakref.WeakKeyDictionary[Trace, dict[Any, bytes]]" = weakref.WeakKeyDictionary()
+
+
 def trace_token(trace: Trace, extra: Any = None, bound: Mapping[int, Any] | None = None
                 ) -> str:
     """A deterministic token for a trace: its structure and its input values.
@@ -64,10 +70,25 @@ def trace_token(trace: Trace, extra: Any = None, bound: Mapping[int, Any] | None
     The structure is hashed as one string (fast for 10,000-call graphs); only input
     values and array constants go through `dask.base.tokenize` (cached per jax array).
     `bound`: input nodes whose value is left out (only their avals and the value of the
-    mapping count), as a step template binds them."""
-    lines: list[str] = [trace.name, repr(extra)]
-    values: list[Any] = []
+    mapping count), as a step template binds them. A closed trace's digest is kept (per
+    `bound`) while the trace lives: only `extra` is hashed again."""
     bound = bound or {}
+    key = tuple(sorted((n, repr(v)) for n, v in bound.items()))
+    kept = _digests.get(trace) if trace.closed else None
+    digest = None if kept is None else kept.get(key)
+    if digest is None:
+        digest = _structure_digest(trace, bound)
+        if trace.closed:
+            _digests.setdefault(trace, {})[key] = digest
+    h = hashlib.blake2b(digest, digest_size=16)
+    h.update(f"{trace.name}\n{extra!r}".encode())
+    return h.hexdigest()[:16]
+
+
+def _structure_digest(trace: Trace, bound: Mapping[int, Any]) -> bytes:
+    """The digest of `trace`'s nodes and of the values of its unbound inputs."""
+    lines: list[str] = []
+    values: list[Any] = []
     for n in trace.nodes:
         if n.kind == "call":
             refs = ",".join(f"{x.node}.{x.leaf}" if isinstance(x, Traced) else "c"
@@ -82,7 +103,7 @@ def trace_token(trace: Trace, extra: Any = None, bound: Mapping[int, Any] | None
             values.append(n.value)
     h = hashlib.blake2b("\n".join(lines).encode(), digest_size=16)
     h.update(tokenize(*map(_plain, values), ensure_deterministic=False).encode())
-    return h.hexdigest()[:16]
+    return h.digest()
 
 
 def _plain(value: Any) -> Any:

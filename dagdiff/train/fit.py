@@ -35,7 +35,7 @@ class AutoWindow:
     """``window="auto"``: how many steps `fit` submits as one computation. The first
     steps go one by one; from the time between the ends of the steps after the first
     (compilation) the window is chosen so that one spans about `seconds` (dask config
-    ``dagdiff.fit.window-seconds``, default 0.5 s), at most `most` (16) steps and
+    ``dagdiff.fit.window-seconds``, default 0.5 s), at most `MOST` (64) steps and
     `MAX_BYTES` of batches (a window's batches travel in its graph): where a
     step is mostly Dask's fixed cost, windows amortize it; where a step takes longer
     than `seconds`, steps stay one by one. A window's steps end together, so the loss
@@ -48,14 +48,18 @@ class AutoWindow:
 
     #: finished steps timed before choosing (the first, with compilation, is not counted)
     TIMED = 3
+    #: the most steps one window may hold (the tiny job of `bench_peers.py`, 256 steps in
+    #: windows of 16 / 32 / 64: 7.2 / 6.9 / 6.4 ms a step: each window's submission and
+    #: its end cost the client, scheduler and workers ~35 ms of CPU beside the steps)
+    MOST = 64
     #: the most bytes of batch arrays one window may hold
     MAX_BYTES = 64 * 2**20
 
-    def __init__(self, seconds: float | None = None, most: int = 16,
+    def __init__(self, seconds: float | None = None, most: int | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.seconds = float(dask.config.get("dagdiff.fit.window-seconds", 0.5)
                              if seconds is None else seconds)
-        self.most = most
+        self.most = self.MOST if most is None else most
         self.size = 1
         self.chosen = False
         self.refined = False

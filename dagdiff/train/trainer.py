@@ -383,7 +383,7 @@ class Trainer(StepGraph, Restoring):
         for them all, their losses as one output: `dagdiff.train.window`), two windows in
         flight; larger windows cost Dask less per step, and a failure runs the whole
         window again. "auto" (the default) times the first steps and makes a window span
-        about 0.5 s (dask config ``dagdiff.fit.window-seconds``), at most 16 steps: short
+        about 0.5 s (dask config ``dagdiff.fit.window-seconds``), at most 64 steps: short
         steps share windows, steps longer than that go one by one (`fit.AutoWindow`); a
         later fit of batches of the same shapes starts with that choice. Steps that cannot
         share one (dispatch="scheduler") go one by one.
