@@ -23,7 +23,10 @@ bookkeeping. Here a step is a handful of Dask tasks per worker:
   `LocalImport`, a Trainer step's state taken from the previous step's program on the same
   worker (`graph.chain_step`) instead of through a Dask dependency;
 * `transport` + `messages`: ordered typed messages between workers over
-  `distributed.comm` (the cluster's TLS, comm backend and serializers apply).
+  `distributed.comm` (the cluster's TLS, comm backend and serializers apply);
+* `lanes`: on tcp and tls, the comm's socket handed to threads of the two workers (a
+  program writes its small values itself, a reader thread hands them to the waiting
+  program): no event loop between two programs.
 """
 from __future__ import annotations
 
