@@ -153,6 +153,9 @@ async def accept_lane(comm: Any, on_message: Callable[[Any], None],
     peer = comm.peer_address
 
     def read() -> None:
+        # the reader (a file object of the socket) holds the descriptor open until it is
+        # closed here, whoever closes the socket meanwhile: no read on a reused descriptor
+        reader = None
         try:
             sock.sendall(ACK)
             reader = sock.makefile("rb", buffering=1 << 16)
@@ -170,17 +173,23 @@ async def accept_lane(comm: Any, on_message: Callable[[Any], None],
         except (OSError, ValueError):               # the lane closed (ValueError: its
             pass                                    # reader closed under it)
         finally:
-            loop.call_soon_threadsafe(_resolve, ended)
+            if reader is not None:
+                try:
+                    reader.close()
+                except OSError:
+                    pass
+            try:
+                loop.call_soon_threadsafe(_resolve, ended)
+            except RuntimeError:                    # the worker's loop is closed
+                pass
 
     thread = threading.Thread(target=read, name=f"dagdiff-lane-from-{peer}", daemon=True)
     thread.start()
     try:
         await asyncio.shield(ended)
-    finally:
-        sockets.discard(sock)
-        shutdown(sock)
-        if not ended.done():                        # cancelled: let the reader see it
-            await asyncio.get_running_loop().run_in_executor(None, thread.join, 5.0)
+    finally:                                        # the sender hung up, or the worker
+        sockets.discard(sock)                       # closes (this handler is cancelled)
+        shutdown(sock)                              # the reader's next read ends
         comm.abort()
     return True
 
