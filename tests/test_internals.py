@@ -159,3 +159,20 @@ def test_a_tcp_or_tls_comms_socket_can_be_taken_from_the_event_loop(tls: bool) -
         return got[0], got[1], none
 
     assert asyncio.run(main()) == (b"ping", b"pong", True)
+
+
+def test_the_readmes_configuration_table_names_every_dagdiff_config_key() -> None:
+    """Every ``dagdiff.*`` Dask config key the package reads is in the README's
+    configuration table, and the table names no key the package does not read."""
+    import re
+
+    used: set[str] = set()
+    for root, _, files in os.walk(PACKAGE):
+        for f in files:
+            if f.endswith(".py"):
+                used |= set(re.findall(r"\"(dagdiff\.[a-z0-9.-]+)\"",
+                                       open(os.path.join(root, f)).read()))
+    readme = open(os.path.join(PACKAGE, "..", "README.md")).read()
+    section = readme.split("### Configuration", 1)[1].split("\n\n", 2)[1]
+    listed = set(re.findall(r"^\| `(dagdiff\.[a-z0-9.-]+)` \|", section, re.M))
+    assert used and listed == used, (sorted(used - listed), sorted(listed - used))
