@@ -122,7 +122,16 @@ class Transport:
         loop = self.worker.loop.asyncio_loop
         fut = asyncio.run_coroutine_threadsafe(
             open_lane(self.worker, address, CONNECT_TIMEOUT, STREAM_OP), loop)
-        return fut.result(CONNECT_TIMEOUT + 5)
+        try:
+            return fut.result(CONNECT_TIMEOUT + 5)
+        except BaseException:
+            # given up (the event loop was too busy to connect in time): stop the connect,
+            # or close the lane it opened meanwhile (no comm left for the GC to find open)
+            if not fut.cancel() and not fut.cancelled() and fut.exception() is None:
+                comm, sock, _ = fut.result()
+                shutdown(sock)
+                self._abort_comm(comm)
+            raise
 
     def _abort_comm(self, comm: Any) -> None:
         try:
