@@ -700,3 +700,46 @@ def test_a_lost_workers_lane_is_closed_and_a_later_send_opens_a_new_one(client2:
 def _forget_lost(address: str, dask_worker: Any) -> None:
     """Undo `_peer_lost`'s record (this shared cluster's worker is still there)."""
     dask_worker.extensions["dagdiff"].lost.pop(address, None)
+
+
+def test_a_lane_connect_given_up_on_is_cancelled(monkeypatch: Any) -> None:
+    """A writer thread that gives up waiting for its event loop to connect a lane cancels
+    the connect (else the comm it opened later would be left to the GC, still open)."""
+    import asyncio
+
+    from dagdiff.runtime.direct import transport as tr_mod
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    seen: list[str] = []
+
+    async def slow_open(worker: Any, address: str, timeout: float, op: str) -> Any:
+        try:
+            await asyncio.sleep(5)
+        except asyncio.CancelledError:
+            seen.append("cancelled")
+            raise
+        seen.append("opened")
+        return object(), None, {}
+
+    class Loop:
+        asyncio_loop = loop
+
+    class Worker:
+        handlers: dict[str, Any] = {}
+        address = "tcp://127.0.0.1:1"
+
+    w = Worker()
+    w.loop = Loop()                                   # type: ignore[attr-defined]
+    monkeypatch.setattr(tr_mod, "open_lane", slow_open)
+    monkeypatch.setattr(tr_mod, "CONNECT_TIMEOUT", -4.8)   # gives up after 0.2 s
+    t = tr_mod.Transport(w, lambda msg: None)
+    try:
+        with pytest.raises(TimeoutError):
+            t._open_lane("tcp://127.0.0.1:2")
+        assert _until(lambda: seen, within=5) == ["cancelled"]
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
