@@ -487,3 +487,25 @@ def test_a_new_placement_moves_resident_parameters_without_a_stale_copy(client2:
                 time.sleep(0.05)       # the old copies go when the scheduler frees them
             # 8 layers x (w, b) = 16 arrays: 8 on each worker, wherever the stages are
             assert added() == [8, 8], (n, scattered(), before)
+
+
+def test_worker_memory_samples_are_put_in_the_schedulers_clock() -> None:
+    """A worker's memory samples are shifted by its clock-offset estimate, as its tasks'
+    and actions' times are: with an offset of a few ms (as on one machine) a small step's
+    samples otherwise fell outside its own actions' span (`step_peaks` lost a worker)."""
+    import time as time_mod
+
+    from dagdiff.inspect.capture import _stop_sampling
+    from dagdiff.runtime import memory
+
+    class Worker:
+        scheduler_delay = 0.5
+
+    memory.start()
+    t = time_mod.time()
+    shifted = _stop_sampling(Worker())
+    assert shifted and all(s.time >= t + 0.5 - 1.0 for s in shifted)
+    assert all(abs(s.time - (t + 0.5)) < 0.5 for s in shifted)
+    memory.start()
+    plain = _stop_sampling(None)
+    assert all(abs(s.time - t) < 0.5 for s in plain)

@@ -16,6 +16,7 @@ from ..cluster.info import current_client, slot_names
 from ..errors import ArgumentError
 from ..runtime import memory
 from ..runtime.direct import compute_log
+from ..runtime.internals import scheduler_delay
 from ..runtime.live import is_live_action
 from ..runtime.memory import MemorySample
 from .record import Recording, TaskRecord, classify
@@ -45,7 +46,7 @@ def record(client: Any = None) -> Iterator[Recording]:
             with get_task_stream(c) as ts:
                 yield rec
         finally:
-            samples = _sampling(c, memory.stop)
+            samples = _sampling(c, _stop_sampling)
         names = slot_names(c)
         rec.worker_names = dict(names)
         data = [d for d in ts.data if not is_live_action(d)]   # the programs' logs have them
@@ -79,6 +80,14 @@ def record(client: Any = None) -> Iterator[Recording]:
         rec.tasks.append(TaskRecord(str(key), th, t - base, u - base, *classify(key)))
     # samples carry wall-clock times, the tasks perf_counter ones
     rec.memory = {"local": _shifted(samples, base + time.time() - time.perf_counter())}
+
+
+def _stop_sampling(dask_worker: Any = None) -> list[MemorySample]:
+    """`memory.stop` on a worker, with its samples' times in the scheduler's clock, as
+    its tasks' and actions' times are (`DirectRuntime.compute_log`): the worker's clock
+    offset estimate is a few ms even on one machine, as long as a small step."""
+    delay = scheduler_delay(dask_worker) if dask_worker is not None else 0.0
+    return [s._replace(time=s.time + delay) for s in memory.stop()]
 
 
 def _sampling(client: Any, fn: Any) -> dict[str, list[MemorySample]]:
