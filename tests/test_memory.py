@@ -499,13 +499,12 @@ def test_worker_memory_samples_are_put_in_the_schedulers_clock() -> None:
     from dagdiff.runtime import memory
 
     class Worker:
-        scheduler_delay = 0.5
+        scheduler_delay = 5.0
 
     memory.start()
     t = time_mod.time()
     shifted = _stop_sampling(Worker())
-    assert shifted and all(s.time >= t + 0.5 - 1.0 for s in shifted)
-    assert all(abs(s.time - (t + 0.5)) < 0.5 for s in shifted)
+    assert shifted and all(abs(s.time - (t + 5.0)) < 1.0 for s in shifted)
     memory.start()
     plain = _stop_sampling(None)
-    assert all(abs(s.time - t) < 0.5 for s in plain)
+    assert plain and all(abs(s.time - t) < 1.0 for s in plain)
