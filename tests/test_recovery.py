@@ -504,7 +504,7 @@ def _kill_plan(client: Any, plan: list[tuple[float, str]], started: threading.Ev
 def test_kills_every_second_are_recovered_on_the_live_workers(
         cluster_client: Any, replicas: int, plan: list[tuple[float, str]], window: int
         ) -> None:
-    """Workers SIGKILLed every 1.2-1.4 s during a 60-step fit (120 with windows), without
+    """Workers SIGKILLed every 1.2-1.4 s during a 150-step fit (240 with windows), without
     waiting for their replacements: each lost stage runs on a survivor at once
     (`Recovery.moved`), a state restored after a loss is copied again before a second
     loss can take it, and the fit ends with the undisturbed run's parameters and losses;
@@ -512,7 +512,8 @@ def test_kills_every_second_are_recovered_on_the_live_workers(
     (also with `fit(window=4)`: a window that lost a worker runs again from the state
     before it)."""
     client = cluster_client
-    params, batches = make_data(60 if window == 1 else 120)   # windows run faster
+    # a fit that outlasts the plan's kills (1.8 s to the second): windows run faster
+    params, batches = make_data(150 if window == 1 else 240)
     opt = optax.sgd(0.05)
     undisturbed = dd.Trainer(loss_fn, opt, microbatches=4, schedule="1f1b",
                              replicas=replicas, client=client)
