@@ -39,7 +39,8 @@ from ..internals import take_socket
 
 
 __all__ = ["LANES_KEY", "lanes_for", "OutLane", "open_lane", "accept_lane", "read_frames",
-           "write_frames", "encode", "shutdown", "ACK", "INLINE_WRITE"]
+           "write_frames", "encode", "shutdown", "send_failure", "tell", "ACK",
+           "INLINE_WRITE"]
 
 log = logging.getLogger(__name__)
 
@@ -325,7 +326,7 @@ class OutLane:
                     self._busy = False
         err = ConnectionError(f"the lane to {self.address} is closed")
         for _, done in batch:
-            _tell(done, err)
+            tell(done, err)
 
     def _write_batch(self, batch: list[tuple[Any, Done]]) -> None:
         """Write a batch (connecting first if needed; a broken lane is replaced once)."""
@@ -343,7 +344,7 @@ class OutLane:
                     try:
                         ready.append((encode(msg, self._context or {}), done))
                     except Exception as e:      # noqa: BLE001 - this message's own failure
-                        _tell(done, e)
+                        tell(done, e)
                 batch = ready
                 write_frames(self._sock, [f for f, _ in batch])  # type: ignore[arg-type]
                 error = None
@@ -354,10 +355,8 @@ class OutLane:
                 if fresh:
                     break
         if error is not None:
-            if isinstance(error, (socket.timeout, asyncio.TimeoutError, TimeoutError)):
-                error = TimeoutError(f"no progress writing to {self.address} within "
-                                     f"{self._write_timeout:g} s (or connecting within "
-                                     f"{self._connect_timeout:g} s)")
+            error = send_failure(self.address, error, self._write_timeout,
+                                 self._connect_timeout)
             with self._cond:
                 self._failed_at, self._error = time.monotonic(), error
                 batch += list(self._queue)
@@ -365,7 +364,7 @@ class OutLane:
             log.warning("dagdiff: could not send %d message(s) to %s (%s: %s)",
                         len(batch), self.address, type(error).__name__, error)
         for _, done in batch:
-            _tell(done, error)
+            tell(done, error)
 
     def _connect(self) -> None:
         comm, sock, context = self._open()
@@ -399,10 +398,21 @@ class OutLane:
             self._cond.notify_all()
         err = ConnectionError(f"the lane to {self.address} is closed")
         for _, done in queued:
-            _tell(done, err)
+            tell(done, err)
 
 
-def _tell(done: Done, error: BaseException | None) -> None:
+def send_failure(address: str, error: BaseException, write_timeout: float,
+                 connect_timeout: float) -> BaseException:
+    """What the senders of messages that could not be written to `address` are told: a
+    timeout says which limits it ran into."""
+    if isinstance(error, (asyncio.TimeoutError, TimeoutError)):
+        return TimeoutError(f"no progress writing to {address} within {write_timeout:g} s "
+                            f"(or connecting within {connect_timeout:g} s)")
+    return error
+
+
+def tell(done: Done, error: BaseException | None) -> None:
+    """Run a message's `done` (its own failure is logged, never raised)."""
     try:
         done(error)
     except Exception:                               # noqa: BLE001 - a callback's own failure

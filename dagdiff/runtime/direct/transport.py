@@ -29,7 +29,8 @@ from distributed.comm.core import CommClosedError
 from distributed.protocol import Serialize, Serialized
 
 from ..internals import DONT_REPLY, inline_writes, merge_and_deserialize, raw_comm
-from .lanes import OutLane, accept_lane, lanes_for, open_lane, shutdown
+from .lanes import (OutLane, accept_lane, lanes_for, open_lane, send_failure, shutdown,
+                    tell)
 from .messages import Message, from_wire, to_wire
 
 
@@ -187,20 +188,14 @@ class Transport:
                     if fresh:                     # a new comm failed: no second try
                         break
             if error is not None and _broken(error):
-                if isinstance(error, asyncio.TimeoutError):
-                    error = TimeoutError(f"no progress writing to {peer.address} within "
-                                         f"{WRITE_TIMEOUT:g} s (or connecting within "
-                                         f"{CONNECT_TIMEOUT:g} s)")
+                error = send_failure(peer.address, error, WRITE_TIMEOUT, CONNECT_TIMEOUT)
                 peer.failed_at, peer.error = time.monotonic(), error
                 batch += list(peer.queue)
                 peer.queue.clear()
                 log.warning("dagdiff: could not send %d message(s) to %s (%s: %s)",
                             len(batch), peer.address, type(error).__name__, error)
             for _, done in batch:
-                try:
-                    done(error)
-                except Exception:               # noqa: BLE001 - a callback's own failure
-                    log.exception("dagdiff: message callback failed")
+                tell(done, error)
             if peer.queue:
                 continue
             await asyncio.sleep(0)              # let senders on this loop queue more
