@@ -51,6 +51,9 @@ ACK = b"\x01"
 #: a program writes a message of up to this many bytes itself (a larger one is written by
 #: the lane's writer thread while the program goes on)
 INLINE_WRITE = 256 * 1024
+#: frames up to this size are joined into one write and read from the reader's buffer;
+#: larger ones are written and read on their own (no copy into a joined buffer)
+_SMALL_FRAME = 64 * 1024
 _COUNT = struct.Struct("<Q")
 
 Done = Callable[[BaseException | None], None]
@@ -71,19 +74,17 @@ def encode(msg: Any, context: dict[str, Any]) -> list[Any]:
 def write_frames(sock: socket.socket, messages: list[list[Any]]) -> None:
     """Write messages (each a list of frames) in order: small ones joined in one write."""
     parts: list[Any] = []
-    size = 0
     for frames in messages:
         lengths = [memoryview(f).nbytes for f in frames]
         parts.append(_COUNT.pack(len(frames)) + struct.pack(f"<{len(frames)}Q", *lengths))
         for f, n in zip(frames, lengths):
-            if n > 65536:                         # large: its own write, no copy
+            if n > _SMALL_FRAME:
                 if parts:
                     sock.sendall(b"".join(parts))
-                    parts, size = [], 0
+                    parts = []
                 sock.sendall(f)
             else:
                 parts.append(f)
-                size += n
     if parts:
         sock.sendall(b"".join(parts))
 
@@ -100,7 +101,7 @@ def read_frames(reader: Any) -> list[Any] | None:
         return None
     frames: list[Any] = []
     for n in struct.unpack(f"<{count}Q", raw):
-        if n <= 65536:
+        if n <= _SMALL_FRAME:
             f = reader.read(n)
             if len(f) < n:
                 return None
@@ -291,12 +292,15 @@ class OutLane:
     def _refusal(self) -> BaseException | None:
         """Why a message cannot go now (call with the lock), or None."""
         if self._closed:
-            return ConnectionError(f"the lane to {self.address} is closed")
+            return self._closed_error()
         if self._failed_at is not None:
             if time.monotonic() - self._failed_at < self._fail_fast_for:
                 return self._error or ConnectionError(f"could not reach {self.address}")
             self._failed_at = self._error = None
         return None
+
+    def _closed_error(self) -> ConnectionError:
+        return ConnectionError(f"the lane to {self.address} is closed")
 
     def _ensure_thread(self) -> None:
         if self._thread is None or not self._thread.is_alive():
@@ -324,7 +328,7 @@ class OutLane:
             finally:
                 with self._cond:
                     self._busy = False
-        err = ConnectionError(f"the lane to {self.address} is closed")
+        err = self._closed_error()
         for _, done in batch:
             tell(done, err)
 
@@ -396,7 +400,7 @@ class OutLane:
             self._queue.clear()
             self._drop_socket()
             self._cond.notify_all()
-        err = ConnectionError(f"the lane to {self.address} is closed")
+        err = self._closed_error()
         for _, done in queued:
             tell(done, err)
 
