@@ -118,3 +118,49 @@ def test_a_second_client_keeps_the_workers_plugin(client2: Client) -> None:
         other.close()
     assert client2.run(plugin_id) == before
     assert all(client2.run(_runtime_open).values())
+
+
+def _stream_intervals(dask_scheduler: Any, client_id: str) -> tuple[float, list[float]]:
+    """The scheduler's flush interval towards one client, and towards each worker."""
+    return (dask_scheduler.client_comms[client_id].interval,
+            [b.interval for b in dask_scheduler.stream_comms.values()])
+
+
+def test_every_message_stream_of_a_step_flushes_within_a_millisecond(client2: Client) -> None:
+    """distributed flushes a client's messages to the scheduler every 10 ms and the
+    scheduler's to a client every 2 ms (to workers 5 ms, workers' 2 ms): each a wait at
+    a step's start or end. On a cluster with dagdiff's plugins, a client dagdiff
+    submits through, and the scheduler's stream back to it, flush within
+    `dagdiff.batched-send-interval` (1 ms); a second client too, once it submits a
+    step; and the step's values still match jax."""
+    loss_fn, (params, x, t) = make_loss(2), data(2)
+    other = _other_client(client2)
+    try:
+        assert other.scheduler_comm.interval == pytest.approx(0.010)  # distributed's own
+        step = dd.value_and_grad(loss_fn, microbatches=2, schedule="1f1b")
+        got = step.compute(params, x, t, client=other)
+        _matches_jax(loss_fn, (params, x, t), got)
+        assert other.scheduler_comm.interval <= 0.001
+        to_client, to_workers = other.run_on_scheduler(_stream_intervals, client_id=other.id)
+        assert to_client <= 0.001 and to_workers and max(to_workers) <= 0.001
+        worker_side = other.run(lambda dask_worker: dask_worker.batched_stream.interval)
+        assert max(worker_side.values()) <= 0.001
+    finally:
+        other.close()
+
+
+def test_batched_send_interval_default_keeps_distributeds_client_stream(client2: Client
+                                                                       ) -> None:
+    """``dagdiff.batched-send-interval: default`` leaves a client's stream as distributed
+    made it (10 ms)."""
+    import dask
+
+    loss_fn, (params, x, t) = make_loss(2), data(2)
+    other = _other_client(client2)
+    try:
+        with dask.config.set({"dagdiff.batched-send-interval": "default"}):
+            step = dd.value_and_grad(loss_fn, microbatches=2, schedule="1f1b")
+            _matches_jax(loss_fn, (params, x, t), step.compute(params, x, t, client=other))
+        assert other.scheduler_comm.interval == pytest.approx(0.010)
+    finally:
+        other.close()

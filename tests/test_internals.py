@@ -42,6 +42,10 @@ def test_the_instance_attributes_are_there_on_a_running_cluster() -> None:
             internals.stream_comms(scheduler), "Scheduler.stream_comms"
         stream = next(iter(internals.stream_comms(scheduler).values()))
         assert isinstance(stream.interval, float), "BatchedSend.interval"
+        assert isinstance(internals.client_stream(client).interval, float), \
+            "Client.scheduler_comm.interval"
+        client_comm = internals.scheduler_client_stream(scheduler, client.id)
+        assert isinstance(client_comm.interval, float), "Scheduler.client_comms[id].interval"
         assert internals.amm_policies(scheduler) is not None, "extensions['amm'].policies"
         assert hasattr(internals.amm_policies(scheduler), "discard"), "policies.discard"
         client.get_task_stream()                    # registers the task-stream plugin

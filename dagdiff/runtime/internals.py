@@ -31,7 +31,8 @@ from distributed.protocol.serialize import merge_and_deserialize
 
 
 __all__ = ["DONT_REPLY", "merge_and_deserialize", "serialize_numpy_ndarray",
-           "deserialize_numpy_ndarray", "stream_comms", "worker_stream", "shorten_interval",
+           "deserialize_numpy_ndarray", "stream_comms", "worker_stream", "client_stream",
+           "scheduler_client_stream", "shorten_interval",
            "pin_task", "unpin_task", "task_pinned", "amm_policies", "scheduler_delay", "raw_comm",
            "inline_writes", "take_socket", "task_stream_record", "cluster_status_hook",
            "correct_state", "task_spec", "REQUIRED"]
@@ -53,6 +54,8 @@ REQUIRED: tuple[tuple[str, str], ...] = (
     ("distributed.scheduler.TaskState", "loose_restrictions"),
     ("distributed.scheduler.TaskState", "run_spec"),
     ("Scheduler instance", "stream_comms"),
+    ("Scheduler instance", "client_comms"),
+    ("Client instance", "scheduler_comm.interval"),
     ("Scheduler instance", "extensions['amm'].policies"),
     ("Scheduler instance", "plugins['task-stream'].transition"),
     ("Worker instance", "batched_stream.interval"),
@@ -75,11 +78,23 @@ def worker_stream(worker: Any) -> Any:
     return getattr(worker, "batched_stream", None)
 
 
+def client_stream(client: Any) -> Any:
+    """A client's batched stream to its scheduler (a BatchedSend; distributed flushes it
+    every 10 ms), or None (not connected, an asynchronous or stand-in client)."""
+    return getattr(client, "scheduler_comm", None)
+
+
+def scheduler_client_stream(scheduler: Any, client: Any) -> Any:
+    """The scheduler's batched stream to the client named `client` (its id), or None."""
+    return getattr(scheduler, "client_comms", {}).get(client)
+
+
 def shorten_interval(stream: Any, seconds: float | None) -> None:
-    """Flush a BatchedSend at least every `seconds` (distributed: 5 ms scheduler->worker,
-    2 ms worker->scheduler); None leaves it."""
-    if stream is not None and seconds is not None:
-        stream.interval = min(stream.interval, seconds)
+    """Flush a BatchedSend at least every `seconds` (distributed: 10 ms client->scheduler,
+    5 ms scheduler->worker, 2 ms worker->scheduler and scheduler->client); None leaves it."""
+    interval = getattr(stream, "interval", None)
+    if isinstance(interval, (int, float)) and seconds is not None and seconds < interval:
+        stream.interval = seconds
 
 
 def pin_task(ts: Any, workers: set[str]) -> None:

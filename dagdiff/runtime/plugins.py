@@ -23,8 +23,8 @@ from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 
 from .direct import install
 from .direct.runtime import PEER_LOST_OP
-from .internals import (amm_policies, pin_task, shorten_interval, stream_comms, task_spec,
-                        unpin_task, worker_stream)
+from .internals import (amm_policies, client_stream, pin_task, scheduler_client_stream,
+                        shorten_interval, stream_comms, task_spec, unpin_task, worker_stream)
 from .live import LiveActions
 from .serialize import register
 from .tasks import pullback_of
@@ -98,8 +98,11 @@ class ColocateVJP(SchedulerPlugin):
         if self.scheduler is not None:
             self.scheduler.log_event(MEMBERSHIP_TOPIC, {"action": action, "worker": worker})
 
-    def update_graph(self, scheduler: Any, *, tasks: Any = (), **kwargs: Any) -> None:
-        """Note the forward tasks the new graph's backward tasks read pullbacks from."""
+    def update_graph(self, scheduler: Any, *, tasks: Any = (), client: Any = None,
+                     **kwargs: Any) -> None:
+        """Note the forward tasks the new graph's backward tasks read pullbacks from; and
+        answer the submitting client every `_latency()` s (2 ms in distributed)."""
+        shorten_interval(scheduler_client_stream(scheduler, client), _latency())
         known = scheduler.tasks
         for k in tasks:
             f = pullback_of(task_spec(known.get(k)))
@@ -190,7 +193,10 @@ def is_registered(client: Any) -> bool:
 def ensure_colocation(client: Any) -> bool:
     """Register `ColocateVJP` and `LiveActions` (direct-dispatch actions in the dashboard)
     on `client`'s scheduler and `LoadDagdiff` on its workers, once per client; False if
-    that is impossible."""
+    that is impossible. Each call also sets the client's own message stream to the
+    scheduler to flush every `_latency()` s (distributed: 10 ms, a step's first wait; set
+    again per call, as a reconnected client has a new stream)."""
+    shorten_interval(client_stream(client), _latency())
     if client in _registered:
         return True
     try:
