@@ -235,3 +235,71 @@ def test_a_closed_traces_digest_is_kept_and_its_token_still_tells_extras_and_bin
     assert lower_mod.trace_token(other, ("opts", 1)) != first    # other input values
     again, _, _ = trace_call(fn, (np.float32(2.0), np.ones(3, np.float32)), {}, (0,), "fn")
     assert lower_mod.trace_token(again, ("opts", 1)) == first    # the same, traced again
+
+
+def _body_stats() -> dict[str, int]:
+    from dagdiff.runtime.direct.program import body_cache_stats
+
+    return body_cache_stats()
+
+
+def test_a_templates_programs_pickle_their_body_once_per_process() -> None:
+    """A template's program pickles as its key, step and body id + bytes made once; a
+    process that has the body reuses it (the same actions object); another program
+    pickles whole and is not cached; the caches stay within their bound."""
+    import pickle
+
+    from dagdiff.runtime.direct import program as pm
+    from dagdiff.runtime.direct.plan import PlannedAction
+    from dagdiff.runtime.taskspec import Task
+
+    actions = tuple(PlannedAction(f"a{i}", (), 0, (), False, Task(f"a{i}", sum, [i, i]))
+                    for i in range(3))
+    shared = pm.Program("prog-1", "s1", "slot0", "tcp://w:1", actions, ("x",), 5.0,
+                        shared=True)
+    blob1 = pickle.dumps(shared)
+    blob2 = pickle.dumps(pm.dataclasses.replace(shared, key="prog-2", step="s2"))
+    # the body's bytes are made once: both pickles carry the same id and bytes
+    assert pickle.loads(blob1) == shared
+    assert _body_stats()["hits"] >= 1
+    again = pickle.loads(blob2)
+    assert again.key == "prog-2" and again.step == "s2" and again.shared
+    assert again.actions == actions
+    # the receiving side's cache hands out one body: the same actions object
+    assert pickle.loads(blob1).actions is again.actions
+    plain = pm.dataclasses.replace(shared, shared=False, key="prog-3")
+    before = _body_stats()
+    back = pickle.loads(pickle.dumps(plain))
+    assert back == plain and not back.shared
+    assert _body_stats()["bodies"] == before["bodies"]
+    old = pm.BODY_CACHE_ENTRIES
+    try:
+        pm.BODY_CACHE_ENTRIES = 2
+        for i in range(5):
+            acts = (PlannedAction(f"b{i}", (), 0, (), False, Task(f"b{i}", sum, [i])),)
+            pickle.loads(pickle.dumps(pm.Program(f"p{i}", "s", "slot0", "w", acts, (), 1.0,
+                                                 shared=True)))
+        assert _body_stats()["bodies"] <= 2
+    finally:
+        pm.BODY_CACHE_ENTRIES = old
+
+
+def test_bound_steps_send_their_programs_bodies_once(client2: Any) -> None:
+    """Steps bound from one template reuse the workers' copy of each program's body
+    (each worker unpickles it once), and still give jax.value_and_grad's values."""
+    loss_fn = make_loss(2)
+    params, x, t = data(2, batch=16)
+    step = dd.value_and_grad(loss_fn, microbatches=4, schedule="1f1b")
+    for warm in (x, x * 2.0):               # lowered (the template), then bound once
+        step.compute(params, warm, t, client=client2)
+    before = client2.run(_body_stats)
+    for i in range(4):
+        xi = x + float(i)
+        got = step.compute(params, xi, t, client=client2)
+        want_l, want_g = jax.value_and_grad(loss_fn)(params, xi, t)
+        np.testing.assert_allclose(got[0], want_l, rtol=1e-5)
+        close(got[1], want_g)
+    after = client2.run(_body_stats)
+    for w in after:
+        assert after[w]["misses"] == before[w]["misses"], (w, before[w], after[w])
+        assert after[w]["hits"] >= before[w]["hits"] + 4, (w, before[w], after[w])

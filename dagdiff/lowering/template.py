@@ -122,6 +122,7 @@ class StepTemplate:
                     prog = dataclasses.replace(prog, actions=tuple(
                         dataclasses.replace(a, task=a.task.substitute(held))
                         for a in prog.actions))
+                prog = dataclasses.replace(prog, shared=True)     # pickled once per body
                 args = []
                 for s, a in zip(prog.statics, t.args[2:]):
                     if s in inputs:
