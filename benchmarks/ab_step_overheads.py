@@ -1,5 +1,6 @@
-"""A/B of two per-step overheads in one cluster, in alternating rounds: distributed's message
-batching intervals, and pickling a template's program bodies every step.
+"""A/B of per-step overheads in one cluster, in alternating rounds: distributed's message
+batching intervals, pickling a template's program bodies every step, and gathering a
+step's outputs through Dask instead of taking what the programs push.
 
 The job: the tiny job by default (--width 64 --batch 64 --layers 4, 2 stages, 1F1B x
 --microbatches 8) on `dd.local_cluster(2)`. Per round and mode, the median of --steps
@@ -13,8 +14,11 @@ The job: the tiny job by default (--width 64 --batch 64 --layers 4, 2 stages, 1F
 --what bodies: "whole" pickles every program whole, as before program bodies were cached
     (`Program.__reduce__` replaced in the client and on the workers for the round),
     against "cached".
+--what pushes: "gather" (dask config ``dagdiff.direct.push-outputs: false``: `step.compute`
+    gathers its outputs through Dask) against "push" (the programs push them to the
+    client's inbox); only `step.compute` pushes.
 Measures dagdiff against itself (no peer): the ratio B / A of each row is printed.
-Usage: python benchmarks/ab_step_overheads.py [--what intervals|bodies] [--rounds 3]
+Usage: python benchmarks/ab_step_overheads.py [--what intervals|bodies|pushes] [--rounds 3]
        [--steps 25] [--width 64] [--batch 64] [--layers 4] [--microbatches 8]
 """
 from __future__ import annotations
@@ -67,6 +71,8 @@ def set_mode(client: Any, what: str, mode: str) -> None:
             client.run_on_scheduler(_worker_streams_default)
         client.run(_worker_interval, 0.001 if mine else 0.002)
         client.scheduler_comm.interval = 0.001 if mine else 0.010
+    elif what == "pushes":
+        dask.config.set({"dagdiff.direct.push-outputs": mode == "push"})
     else:
         cached = mode == "cached"
         _bodies(cached)
@@ -80,7 +86,7 @@ def _worker_streams_default(dask_scheduler: Any = None) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--what", choices=["intervals", "bodies"], default="intervals")
+    ap.add_argument("--what", choices=["intervals", "bodies", "pushes"], default="intervals")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--width", type=int, default=64)
@@ -88,7 +94,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--microbatches", type=int, default=8)
     args = ap.parse_args()
-    modes = ("distributed", "dagdiff") if args.what == "intervals" else ("whole", "cached")
+    modes = {"intervals": ("distributed", "dagdiff"), "bodies": ("whole", "cached"),
+             "pushes": ("gather", "push")}[args.what]
 
     from distributed import Client
 

@@ -41,6 +41,7 @@ from ..lowering.collection import DelayedTree, needs_collection
 from ..lowering.graph import OutKey, assemble, pinned, to_delayed
 from ..lowering.lower import lower, select, trace_token
 from ..lowering.pipeline import stage_workers
+from ..runtime.direct.inbox import inbox_for
 from ..runtime.plugins import ensure_colocation
 from ..runtime.shippable import check_shippable
 from .heap import freeze_heap, without_gc
@@ -110,11 +111,29 @@ class Build:
         """`outputs` computed now on `client`, as values. With direct dispatch each
         worker's outputs come back in one task (`gather_graph`), not one task each."""
         keys = [str(k) for k in jax.tree_util.tree_leaves(self.keys) if isinstance(k, OutKey)]
-        graph, where = (gather_graph(self.graph, keys) if self.dispatch == "direct"
+        box = inbox_for(client) if self.dispatch == "direct" else None
+        if box is not None and not box.ready(self.targets.worker_addresses()):
+            box = None                          # this step gathers; later ones may push
+        graph, where = (gather_graph(self.graph, keys, inbox=box.id if box else "")
+                        if self.dispatch == "direct"
                         else (self.graph, {k: (k, None) for k in keys}))
         wanted = list(dict.fromkeys(src for src, _ in where.values()))
-        got = dict(zip(wanted, client.compute(to_delayed(graph, [OutKey(k) for k in wanted]),
-                                              sync=True)))
+        if box is not None and not all(
+                getattr(graph[k], "kwargs", {}).get("inbox") == box.id for k in wanted):
+            box = None                          # not every output is a pushing program
+        got = None
+        if box is not None:
+            box.expect(wanted)
+        try:
+            futures = client.compute(to_delayed(graph, [OutKey(k) for k in wanted]))
+        except BaseException:
+            if box is not None:
+                box.forget(wanted)
+            raise
+        if box is not None:
+            got = box.take(wanted, futures)    # the programs' pushes, or None: gather
+        if got is None:
+            got = dict(zip(wanted, client.gather(futures)))
         values = {k: got[src] if i is None else got[src][i] for k, (src, i) in where.items()}
         return self._shaped(jax.tree_util.tree_map(
             lambda k: values[str(k)] if isinstance(k, OutKey) else k, self.keys,

@@ -180,7 +180,7 @@ def window_graph(graphs: Sequence[HighLevelGraph], loss_keys: Sequence[str],
                     layers), renamed
 
 
-def gather_graph(graph: HighLevelGraph, keys: Sequence[str]
+def gather_graph(graph: HighLevelGraph, keys: Sequence[str], inbox: str = ""
                  ) -> tuple[HighLevelGraph, dict[str, tuple[str, int | None]]]:
     """A direct-dispatch step's graph for a caller that gathers the outputs `keys` at
     once (`step.compute`): each worker's outputs as one task returning them as a tuple
@@ -188,13 +188,14 @@ def gather_graph(graph: HighLevelGraph, keys: Sequence[str]
     `keys`, (the key to compute, its index in that task's tuple, or None: the value
     itself). A graph that is not one direct-dispatch layer comes back as it is. Each call
     makes a graph of its own: where each worker's program hands back its outputs itself,
-    the programs run under a fresh nonce that their keys end with (no nonce task)."""
+    the programs run under a fresh nonce that their keys end with (no nonce task), and
+    with `inbox` (a client inbox's id) push their outputs to it as they end."""
     plain: dict[str, tuple[str, int | None]] = {k: (k, None) for k in keys}
     if len(graph.layers) != 1:
         return graph, plain
     (name, layer), = graph.layers.items()
     dsk = dict(layer.mapping)
-    new, takes, where, fused = group_outputs(dsk, keys, nonce=new_nonce())
+    new, takes, where, fused = group_outputs(dsk, keys, nonce=new_nonce(), inbox=inbox)
     if not new:
         return graph, plain
     for key in [*where, *fused]:

@@ -379,8 +379,8 @@ async def _picks(result: ProgramResult, *keys: str) -> dict[str, Any]:
     return {k: result.value(k) for k in keys}
 
 
-def group_outputs(dsk: Mapping[str, Any], keys: Collection[str], nonce: str | None = None
-                  ) -> tuple[dict[str, Any], dict[str, str], dict[str, tuple[str, int]],
+def group_outputs(dsk: Mapping[str, Any], keys: Collection[str], nonce: str | None = None,
+                  inbox: str = "") -> tuple[dict[str, Any], dict[str, str], dict[str, tuple[str, int]],
                              set[str]]:
     """The outputs `keys` of a direct-dispatch step (`dsk`, as `rewrite` made it) that
     its programs' results give on one worker, as one task per worker (for a caller that
@@ -396,7 +396,8 @@ def group_outputs(dsk: Mapping[str, Any], keys: Collection[str], nonce: str | No
     submission, as `step.compute` does): where every program became its group, they run
     under it and their keys end with it, and the step's ``run_`` task is dropped (no
     round trip for the nonce before the programs start, and none for the other workers
-    to fetch it).
+    to fetch it). `inbox`: the id of the client's inbox (`inbox.ClientInbox`) such
+    program tasks push their outputs to as they end (besides returning them).
 
     Returns the new tasks, per new task the key whose placement and priority it takes,
     per grouped key ``(group key, index)``, and the program keys the groups replace;
@@ -443,8 +444,9 @@ def group_outputs(dsk: Mapping[str, Any], keys: Collection[str], nonce: str | No
                 flat.extend((0 if own else t.args[0], t.args[2 + n], len(args), *args))
                 where[key] = (gk, i)
             if own:
+                extra = {"inbox": inbox} if inbox else {}
                 new[gk] = Task(gk, run_gathered, gk, len(mine), prog, fresh or pt.args[1],
-                               *pt.args[2:], *flat, **pt.kwargs)
+                               *pt.args[2:], *flat, **pt.kwargs, **extra)
                 takes[gk] = refs[here]
                 fused.add(refs[here])
             else:
@@ -460,17 +462,21 @@ def group_outputs(dsk: Mapping[str, Any], keys: Collection[str], nonce: str | No
 
 
 def run_gathered(task: str, k: int, prog: Program, nonce: str, /, *rest: Any,
-                 serial: str = "") -> tuple[Any, ...]:
+                 serial: str = "", inbox: str = "") -> tuple[Any, ...]:
     """A program task that hands back its worker's `k` outputs (`group_outputs`): runs
     `prog` as `run_program` does (`rest`: its inputs, then the outputs as `_outputs_of`
-    takes them) and returns the outputs, not its result."""
+    takes them) and returns the outputs, not its result; with `inbox`, it first pushes
+    them to that client inbox (`inbox.InboxEnds.push`)."""
     n = len(prog.statics)
     rt = runtime()
     try:
         result = rt.run(prog, nonce, tuple(rest[:n]), serial, task=task)
+        outputs = _outputs(1, k, (result, *rest[n:]))
+        if inbox:
+            rt.inboxes.push(inbox, task, outputs)
     finally:
         rt.end_task(task)
-    return _outputs(1, k, (result, *rest[n:]))
+    return outputs
 
 
 def _leading(pp: ProgramPlan) -> int:

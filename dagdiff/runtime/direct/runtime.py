@@ -31,11 +31,12 @@ from distributed.metrics import time as now
 from ...errors import DirectDispatchError
 from ..internals import scheduler_delay
 from ..live import ActionReporter
+from .inbox import INBOX_OP, InboxEnds
 from .messages import End, Failure, Message
 from .program import Program
 from .results import LocalImport, ProgramResult
 from .run import ProgramRun
-from .transport import STATUS_OP, DecodeError, Transport
+from .transport import STATUS_OP, WRITE_TIMEOUT, DecodeError, Transport
 
 
 __all__ = ["EXTENSION", "DirectRuntime", "install", "runtime",
@@ -100,8 +101,11 @@ class DirectRuntime:
         self._exports: collections.OrderedDict[str, dict[str, Any] | str] = \
             collections.OrderedDict()
         self._ended = threading.Condition(self._lock)
+        #: its ends of clients' inboxes, where gathered programs push their outputs
+        self.inboxes = InboxEnds(worker, WRITE_TIMEOUT)
         worker.handlers[STATUS_OP] = self._status
         worker.handlers[PEER_LOST_OP] = self._peer_lost
+        worker.handlers[INBOX_OP] = self.inboxes.accept
         worker.extensions[EXTENSION] = self
 
     # --- run states ---------------------------------------------------------------------
@@ -209,6 +213,7 @@ class DirectRuntime:
 
     def close(self) -> None:
         self.transport.close()
+        self.inboxes.close()
 
     # --- running a program ------------------------------------------------------------------
     def run(self, prog: Program, nonce: str, static_values: tuple[Any, ...],

@@ -1,0 +1,147 @@
+"""A client's inbox: `step.compute`'s programs push their outputs to the client as they end
+(`dagdiff.runtime.direct.inbox`), and what the client gets is what `jax.value_and_grad`
+gives, whether the outputs came by push or through Dask (too large, pushes off, a failed
+step, several clients)."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import dask
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from distributed import Client
+
+import dagdiff as dd
+from dagdiff.runtime.direct.inbox import inbox_for
+from tests.models import close, data, make_loss
+
+pytestmark = pytest.mark.distributed
+
+
+def _ready_inbox(client: Any, step: Any, args: tuple[Any, ...]) -> Any:
+    """Compute the step until the client's inbox has a connection to every worker."""
+    box = inbox_for(client)
+    assert box is not None
+    deadline = time.monotonic() + 30
+    while box.stats()["open"] < 2:
+        assert time.monotonic() < deadline, box.stats()
+        step.compute(*args, client=client)
+        time.sleep(0.05)
+    return box
+
+
+def _matches(loss_fn: Any, args: tuple[Any, ...], got: Any) -> None:
+    want_l, want_g = jax.value_and_grad(loss_fn)(*args)
+    np.testing.assert_allclose(got[0], want_l, rtol=1e-5)
+    close(got[1], want_g)
+
+
+def test_step_compute_takes_the_outputs_its_programs_push(client2: Client) -> None:
+    """After the first steps open the inbox, each step's outputs come by push: one
+    `pushed` step per call, none gathered, each call's values jax's for its batch."""
+    loss_fn, (params, x, t) = make_loss(2), data(2)
+    step = dd.value_and_grad(loss_fn, microbatches=2, schedule="1f1b")
+    box = _ready_inbox(client2, step, (params, x, t))
+    before = dict(box.stats())
+    for i in range(4):
+        xi = x * (1.0 + i)
+        _matches(loss_fn, (params, xi, t), step.compute(params, xi, t, client=client2))
+    after = box.stats()
+    assert after["pushed"] - before["pushed"] == 4, (before, after)
+    assert after["gathered"] == before["gathered"], (before, after)
+
+
+def test_pushes_off_gathers_through_dask(client2: Client) -> None:
+    """Dask config ``dagdiff.direct.push-outputs: false``: no inbox, the outputs come
+    through Dask, the values are the same."""
+    loss_fn, (params, x, t) = make_loss(2), data(2)
+    step = dd.value_and_grad(loss_fn, microbatches=2, schedule="1f1b")
+    box = _ready_inbox(client2, step, (params, x, t))
+    before = dict(box.stats())
+    with dask.config.set({"dagdiff.direct.push-outputs": False}):
+        assert inbox_for(client2) is None
+        _matches(loss_fn, (params, x, t), step.compute(params, x, t, client=client2))
+    assert box.stats()["pushed"] == before["pushed"]
+
+
+def test_outputs_too_large_to_push_come_through_dask(client2: Client) -> None:
+    """A worker whose outputs exceed what a program writes itself says so, and the
+    client gathers them from Dask at once (no wait for the futures' grace)."""
+    loss_fn = make_loss(2)
+    params, x, t = data(2, batch=16, width=300)      # 300 x 300 float32 grads: 360 KB
+    step = dd.value_and_grad(loss_fn, microbatches=2, schedule="1f1b")
+    small = data(2)
+    box = _ready_inbox(client2, dd.value_and_grad(loss_fn, microbatches=2, schedule="1f1b"),
+                       small)
+    before = dict(box.stats())
+    _matches(loss_fn, (params, x, t), step.compute(params, x, t, client=client2))
+    after = box.stats()
+    assert after["gathered"] == before["gathered"] + 1, (before, after)
+
+
+def test_a_failed_step_raises_its_error_with_pushes_on(client2: Client) -> None:
+    """A layer failing on stage 1's worker: no push comes for the step, the client
+    raises the layer's error from Dask (no hang), and the next step pushes again."""
+    from tests.test_direct import _linear, _mse, fragile
+
+    def loss_fn(params: Any, x: Any, t: Any) -> Any:
+        with dd.stage(0):
+            h = _linear(params[0], x)
+        with dd.stage(1):
+            return _mse(fragile(params[1], h), t)
+
+    params = [jnp.eye(8), jnp.eye(8)]
+    x, t = jnp.full((8, 8), 0.5), jnp.ones((8, 8))
+    step = dd.value_and_grad(loss_fn, microbatches=2, schedule="1f1b")
+    box = _ready_inbox(client2, step, (params, x, t))
+    with pytest.raises(Exception, match="fragile: input too large"):
+        step.compute(params, jnp.full((8, 8), 1000.0), t, client=client2)
+    before = dict(box.stats())
+    loss, grads = step.compute(params, x, t, client=client2)
+    want, want_g = jax.value_and_grad(
+        lambda p: jnp.mean((x @ p[0] @ p[1] - t) ** 2))(params)
+    np.testing.assert_allclose(loss, want, rtol=1e-6)
+    close(grads, want_g)
+    assert box.stats()["pushed"] == before["pushed"] + 1
+
+
+def test_two_clients_each_take_their_own_outputs(client2: Client) -> None:
+    """Two clients of one cluster, each with its inbox, computing steps of different
+    batches in turn: each gets its own step's values."""
+    loss_fn, (params, x, t) = make_loss(2), data(2)
+    other = Client(client2.scheduler.address, security=client2.security,
+                   set_as_default=False)
+    try:
+        step = dd.value_and_grad(loss_fn, microbatches=2, schedule="1f1b")
+        boxes = [_ready_inbox(c, step, (params, x, t)) for c in (client2, other)]
+        assert boxes[0].id != boxes[1].id
+        for i in range(3):
+            for j, c in enumerate((client2, other)):
+                xi = x * (1.0 + i) + j
+                _matches(loss_fn, (params, xi, t), step.compute(params, xi, t, client=c))
+    finally:
+        other.close()
+    assert boxes[1].stats()["pushed"] >= 3
+
+
+@pytest.mark.slow
+def test_pushes_travel_on_a_tls_cluster() -> None:
+    """On a cluster with TLS (`security=True`), the inbox connects with the client's
+    security, and the pushed outputs are jax's."""
+    cluster = dd.local_cluster(n_workers=2, dashboard_address=None, quiet=True,
+                               security=True)
+    client = Client(cluster, set_as_default=False)
+    try:
+        assert client.scheduler.address.startswith("tls://")
+        loss_fn, (params, x, t) = make_loss(2), data(2)
+        step = dd.value_and_grad(loss_fn, microbatches=2, schedule="1f1b")
+        box = _ready_inbox(client, step, (params, x, t))
+        before = dict(box.stats())
+        _matches(loss_fn, (params, x, t), step.compute(params, x, t, client=client))
+        assert box.stats()["pushed"] == before["pushed"] + 1
+    finally:
+        client.close()
+        cluster.close()
