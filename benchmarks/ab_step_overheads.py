@@ -17,9 +17,12 @@ The job: the tiny job by default (--width 64 --batch 64 --layers 4, 2 stages, 1F
 --what pushes: "gather" (dask config ``dagdiff.direct.push-outputs: false``: `step.compute`
     gathers its outputs through Dask) against "push" (the programs push them to the
     client's inbox); only `step.compute` pushes.
+--gap-ms G: sleep G ms before each timed `step.compute` and `Trainer.step` (the user's own
+    work between steps, during which the previous step's Dask traffic ends; on 2 cores
+    steps back to back overlap it with the next step's start).
 Measures dagdiff against itself (no peer): the ratio B / A of each row is printed.
 Usage: python benchmarks/ab_step_overheads.py [--what intervals|bodies|pushes] [--rounds 3]
-       [--steps 25] [--width 64] [--batch 64] [--layers 4] [--microbatches 8]
+       [--steps 25] [--gap-ms 0] [--width 64] [--batch 64] [--layers 4] [--microbatches 8]
 """
 from __future__ import annotations
 
@@ -89,6 +92,7 @@ def main() -> None:
     ap.add_argument("--what", choices=["intervals", "bodies", "pushes"], default="intervals")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=25)
+    ap.add_argument("--gap-ms", type=float, default=0.0)
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--layers", type=int, default=4)
@@ -114,6 +118,7 @@ def main() -> None:
                 times = []
                 for i in range(args.steps + 3):
                     x, t = data[i % len(data)]
+                    time.sleep(args.gap_ms / 1e3)
                     t0 = time.perf_counter()
                     step.compute(params, x, t, client=client)
                     times.append(time.perf_counter() - t0)
@@ -121,6 +126,7 @@ def main() -> None:
                 state, times = trainer.init(params), []
                 for i in range(args.steps + 3):
                     x, t = data[i % len(data)]
+                    time.sleep(args.gap_ms / 1e3)
                     t0 = time.perf_counter()
                     state, loss = trainer.step(state, x, t)
                     loss.result()
@@ -139,7 +145,8 @@ def main() -> None:
         cluster.close()
     a, b = modes
     print(f"\n{args.layers} layers x {args.width}, batch {args.batch}, 2 stages, 1F1B x "
-          f"{args.microbatches}; median of {args.steps} steps, median of {args.rounds} rounds")
+          f"{args.microbatches}; median of {args.steps} steps ({args.gap_ms:g} ms apart), "
+          f"median of {args.rounds} rounds")
     print(f"{'':14s} {a:>12s} {b:>12s}   {b} / {a}")
     for k in rows[a]:
         ma, mb = statistics.median(rows[a][k]), statistics.median(rows[b][k])
