@@ -338,6 +338,7 @@ class InboxEnds:
         """Write `value` (pushed under `key`) to the client's inbox `inbox`, now, if it is
         small (`INLINE_WRITE`) and the inbox is open here; False otherwise (the client
         gathers it). A failed write closes that inbox."""
+        from dask.sizeof import sizeof
         from distributed.protocol import to_serialize
 
         from .lanes import INLINE_WRITE, encode, write_frames
@@ -347,12 +348,13 @@ class InboxEnds:
         if end is None:
             return False
         sock, lock, _, context = end[:4]
-        pushed = True
-        try:
-            frames = encode({"key": key, "value": to_serialize(value)}, context)
-        except Exception as e:                          # noqa: BLE001 - Dask sends it
-            log.debug("dagdiff: output %s not pushed (%s: %s)", key, type(e).__name__, e)
-            frames, pushed = None, False
+        pushed, frames = True, None
+        if sizeof(value) <= INLINE_WRITE:               # else not even serialized
+            try:
+                frames = encode({"key": key, "value": to_serialize(value)}, context)
+            except Exception as e:                      # noqa: BLE001 - Dask sends it
+                log.debug("dagdiff: output %s not pushed (%s: %s)", key, type(e).__name__,
+                          e)
         if frames is None or sum(memoryview(f).nbytes for f in frames) > INLINE_WRITE:
             # the client stops waiting for it at once and gathers it from Dask
             frames, pushed = encode({"key": key, "refused": True}, context), False
