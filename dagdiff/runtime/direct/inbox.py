@@ -50,6 +50,8 @@ PUSH_KEY = "dagdiff.direct.push-outputs"
 RETRY_AFTER = 60.0
 #: seconds a connection may take to open
 CONNECT_TIMEOUT = 10.0
+#: seconds between checks that an inbox's client is still open
+WATCH_EVERY = 1.0
 #: seconds a step whose futures all finished still waits for its pushes
 GRACE = 0.05
 #: what a worker pushes for an output it does not send (too large): gather it
@@ -85,6 +87,7 @@ class ClientInbox:
         self._wanted: set[str] = set()
         self._values: dict[str, Any] = {}
         self._closed = False
+        self._watching = False              # a thread closes the inbox with its client
         #: steps whose outputs came by push, and steps that gathered them instead
         self.pushed = self.gathered = 0
 
@@ -139,6 +142,11 @@ class ClientInbox:
         thread = threading.Thread(target=self._read, args=(address, sock, comm), daemon=True,
                                   name=f"dagdiff-inbox-from-{address}")
         thread.start()
+        with self._cond:
+            watch, self._watching = not self._watching, True
+        if watch:
+            threading.Thread(target=_watch, args=(weakref.ref(self),), daemon=True,
+                             name="dagdiff-inbox-watch").start()
 
     def _read(self, address: str, sock: socket.socket, comm: Any) -> None:
         reader = None
@@ -262,6 +270,22 @@ class ClientInbox:
                     "open": sum(link.sock is not None for link in self._links.values())}
 
 
+def _watch(ref: "weakref.ref[ClientInbox]") -> None:
+    """Close an inbox once its client is closed or gone (checked every `WATCH_EVERY` s);
+    the workers see the hang-up and drop their ends."""
+    while True:
+        time.sleep(WATCH_EVERY)
+        box = ref()
+        if box is None:
+            return
+        client = box._client()
+        if box._closed or client is None or getattr(client, "status", "") in (
+                "closing", "closed"):
+            box.close()
+            return
+        del box, client
+
+
 _INBOXES: "weakref.WeakKeyDictionary[Any, ClientInbox]" = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
@@ -324,15 +348,31 @@ class InboxEnds:
             self._ends[inbox] = (sock, threading.Lock(), comm, context, loop, ended)
             while len(self._ends) > self.KEEP:
                 self._drop(next(iter(self._ends)))
+        # the client never writes: the socket turning readable means it hung up
+        fd = sock.fileno()
+        loop.add_reader(fd, self._hung_up, inbox, ended)
         try:            # the handler holds the comm until the inbox closes: distributed
             await asyncio.shield(ended)     # would read it again once the handler returns
         finally:
+            loop.remove_reader(fd)
             with self._lock:
                 if self._ends.get(inbox, (None,) * 6)[5] is ended:
                     self._drop(inbox)
             shutdown(sock)
             comm.abort()
         return DONT_REPLY
+
+    def _hung_up(self, inbox: str, ended: asyncio.Future) -> None:
+        """The client closed inbox `inbox` (its socket turned readable): drop it."""
+        with self._lock:
+            if self._ends.get(inbox, (None,) * 6)[5] is ended:
+                self._drop(inbox)
+        _resolve(ended)
+
+    def open_inboxes(self) -> int:
+        """How many clients' inboxes are open here."""
+        with self._lock:
+            return len(self._ends)
 
     def push(self, inbox: str, key: str, value: Any) -> bool:
         """Write `value` (pushed under `key`) to the client's inbox `inbox`, now, if it is
