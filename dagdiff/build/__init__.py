@@ -109,7 +109,10 @@ class Build:
 
     def values(self, client: Any) -> tuple[Any, Any]:
         """`outputs` computed now on `client`, as values. With direct dispatch each
-        worker's outputs come back in one task (`gather_graph`), not one task each."""
+        worker's outputs come back in one task (`gather_graph`), not one task each, and
+        its program pushes them to the client's inbox as it ends (`runtime.direct.inbox`:
+        the client takes them as they arrive, or gathers them from Dask when a push does
+        not come)."""
         keys = [str(k) for k in jax.tree_util.tree_leaves(self.keys) if isinstance(k, OutKey)]
         box = inbox_for(client) if self.dispatch == "direct" else None
         if box is not None and not box.ready(self.targets.worker_addresses()):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 from typing import Any, Collection, Mapping
 
 from dask.base import tokenize
@@ -21,6 +22,8 @@ from .runtime import _timeout, new_nonce, run_program, run_programs, runtime
 
 __all__ = ["DirectGraph", "rewrite", "next_base", "RESOURCE_SHARE", "chain_step",
            "Source", "merge_window", "WindowError", "group_outputs", "run_gathered"]
+
+log = logging.getLogger(__name__)
 
 #: share of a slot resource one program holds: a program leaves the thread pool
 #: (``secede``) but keeps its resources, so whole units would block the worker's next
@@ -380,8 +383,8 @@ async def _picks(result: ProgramResult, *keys: str) -> dict[str, Any]:
 
 
 def group_outputs(dsk: Mapping[str, Any], keys: Collection[str], nonce: str | None = None,
-                  inbox: str = "") -> tuple[dict[str, Any], dict[str, str], dict[str, tuple[str, int]],
-                             set[str]]:
+                  inbox: str = "") -> tuple[dict[str, Any], dict[str, str],
+                                            dict[str, tuple[str, int]], set[str]]:
     """The outputs `keys` of a direct-dispatch step (`dsk`, as `rewrite` made it) that
     its programs' results give on one worker, as one task per worker (for a caller that
     gathers them all at once: each output task costs Dask ~1.5 ms here, and the 9 of the
@@ -473,7 +476,10 @@ def run_gathered(task: str, k: int, prog: Program, nonce: str, /, *rest: Any,
         result = rt.run(prog, nonce, tuple(rest[:n]), serial, task=task)
         outputs = _outputs(1, k, (result, *rest[n:]))
         if inbox:
-            rt.inboxes.push(inbox, task, outputs)
+            try:
+                rt.inboxes.push(inbox, task, outputs)
+            except Exception:                   # noqa: BLE001 - the client gathers them
+                log.exception("dagdiff: pushing the outputs of %s failed", task)
     finally:
         rt.end_task(task)
     return outputs

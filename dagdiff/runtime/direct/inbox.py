@@ -35,7 +35,7 @@ import dask
 from distributed.comm import connect
 from distributed.protocol import loads
 
-from ..internals import take_socket
+from ..internals import DONT_REPLY, take_socket
 from .lanes import ACK, read_frames, shutdown
 
 __all__ = ["INBOX_OP", "PUSH_KEY", "ClientInbox", "InboxEnds", "inbox_for", "pushes_enabled"]
@@ -328,8 +328,6 @@ class InboxEnds:
 
     async def accept(self, comm: Any, inbox: str = "") -> Any:
         """Handler of `INBOX_OP`: take the comm's socket and answer `ACK`."""
-        from ..internals import DONT_REPLY
-
         sock = await take_socket(comm) if inbox else None
         if sock is None:
             comm.abort()                                # the client sees no ACK: it gathers
