@@ -388,6 +388,14 @@ def _linear(w: Any, x: Any) -> Any:
     return x @ w
 
 
+def fragile_loss(params: Any, x: Any, t: Any) -> Any:
+    """Two stages: a linear layer, then `fragile` (fails on a worker for large inputs)."""
+    with dd.stage(0):
+        h = _linear(params[0], x)
+    with dd.stage(1):
+        return _mse(fragile(params[1], h), t)
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(180)
 def test_a_failed_trainer_step_fails_every_stage_and_the_next_step(client2: Any) -> None:
@@ -396,15 +404,9 @@ def test_a_failed_trainer_step_fails_every_stage_and_the_next_step(client2: Any)
     next step fails too instead of waiting for stage 1."""
     import optax
 
-    def loss_fn(params: Any, x: Any, t: Any) -> Any:
-        with dd.stage(0):
-            h = _linear(params[0], x)
-        with dd.stage(1):
-            return _mse(fragile(params[1], h), t)
-
     params = [jnp.eye(8), jnp.eye(8)]
     ok, bad = jnp.ones((8, 8)), jnp.full((8, 8), 1000.0)
-    tr = dd.Trainer(loss_fn, optax.sgd(0.01), microbatches=2, schedule="1f1b",
+    tr = dd.Trainer(fragile_loss, optax.sgd(0.01), microbatches=2, schedule="1f1b",
                     client=client2, dispatch="direct")
     state = tr.init(params, ok, ok)
     state, l1 = tr.step(state, ok, ok)
@@ -628,12 +630,6 @@ def test_a_gathered_step_failing_on_one_worker_gives_no_outputs_of_the_other(
     """`step.compute` gathers each worker's outputs from its own program alone: when
     stage 1 fails after stage 0 ran all its actions, stage 0's outputs fail too (its
     program's closing exchange), not hand back gradients of a step that failed."""
-    def loss_fn(params: Any, x: Any, t: Any) -> Any:
-        with dd.stage(0):
-            h = _linear(params[0], x)
-        with dd.stage(1):
-            return _mse(fragile(params[1], h), t)
-
     seen: list[Any] = []
     real = client2.compute
 
@@ -644,7 +640,7 @@ def test_a_gathered_step_failing_on_one_worker_gives_no_outputs_of_the_other(
 
     monkeypatch.setattr(client2, "compute", compute)
     params = [jnp.eye(8), jnp.eye(8)]
-    step = dd.value_and_grad(loss_fn, microbatches=2, schedule="1f1b")
+    step = dd.value_and_grad(fragile_loss, microbatches=2, schedule="1f1b")
     with pytest.raises(Exception, match="fragile: input too large"):
         step.compute(params, jnp.full((8, 8), 1000.0), jnp.ones((8, 8)), client=client2)
     futures = seen[-1]

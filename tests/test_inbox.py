@@ -85,13 +85,7 @@ def test_outputs_too_large_to_push_come_through_dask(client2: Client) -> None:
 def test_a_failed_step_raises_its_error_with_pushes_on(client2: Client) -> None:
     """A layer failing on stage 1's worker: no push comes for the step, the client
     raises the layer's error from Dask (no hang), and the next step pushes again."""
-    from tests.test_direct import _linear, _mse, fragile
-
-    def loss_fn(params: Any, x: Any, t: Any) -> Any:
-        with dd.stage(0):
-            h = _linear(params[0], x)
-        with dd.stage(1):
-            return _mse(fragile(params[1], h), t)
+    from tests.test_direct import fragile_loss as loss_fn
 
     params = [jnp.eye(8), jnp.eye(8)]
     x, t = jnp.full((8, 8), 0.5), jnp.ones((8, 8))

@@ -33,10 +33,9 @@ from typing import Any, Collection, Iterable, Mapping
 
 import dask
 from distributed.comm import connect
-from distributed.protocol import loads
 
 from ..internals import DONT_REPLY, take_socket
-from .lanes import ACK, read_frames, shutdown
+from .lanes import ACK, read_messages, shutdown
 
 __all__ = ["INBOX_OP", "PUSH_KEY", "ClientInbox", "InboxEnds", "inbox_for", "pushes_enabled"]
 
@@ -161,19 +160,8 @@ class ClientInbox:
                     return
                 link.sock, link.opening = sock, False
             reader = sock.makefile("rb", buffering=1 << 16)
-            while True:
-                frames = read_frames(reader)
-                if frames is None:
-                    break
-                try:
-                    msg = loads(frames, deserialize=True)
-                except Exception as e:                  # noqa: BLE001 - that push is lost
-                    log.warning("dagdiff: a pushed output from %s could not be read (%s: "
-                                "%s); the step gathers it from Dask", address,
-                                type(e).__name__, e)
-                    continue
-                self._deliver(str(msg.get("key")),
-                              _REFUSED if msg.get("refused") else msg.get("value"))
+            # a push that does not decode is lost: its step gathers from Dask
+            read_messages(reader, True, self._received, f"{address} (inbox)")
         except (OSError, ValueError) as e:
             log.debug("dagdiff: inbox connection from %s ended (%s)", address, e)
         finally:
@@ -209,6 +197,11 @@ class ClientInbox:
             shutdown(sock)
 
     # --- outputs ------------------------------------------------------------------------
+    def _received(self, msg: Any) -> None:
+        if isinstance(msg, dict):
+            self._deliver(str(msg.get("key")),
+                          _REFUSED if msg.get("refused") else msg.get("value"))
+
     def _deliver(self, key: str, value: Any) -> None:
         with self._cond:
             if key in self._wanted:

@@ -39,6 +39,7 @@ from ..internals import take_socket
 
 
 __all__ = ["LANES_KEY", "lanes_for", "OutLane", "open_lane", "accept_lane", "read_frames",
+           "read_messages",
            "write_frames", "encode", "shutdown", "send_failure", "tell", "ACK",
            "INLINE_WRITE"]
 
@@ -119,6 +120,24 @@ def read_frames(reader: Any) -> list[Any] | None:
     return frames
 
 
+def read_messages(reader: Any, deserialize: bool, on_message: Callable[[Any], None],
+                  source: str) -> None:
+    """Hand each message read from a buffered reader of a lane's socket to `on_message`
+    (values deserialized or not) until the other end hangs up; a message that does not
+    decode is logged and skipped. Raises OSError / ValueError when the socket fails."""
+    while True:
+        frames = read_frames(reader)
+        if frames is None:
+            return
+        try:
+            msg = loads(frames, deserialize=deserialize)
+        except Exception as e:                      # noqa: BLE001 - a garbled message
+            log.warning("dagdiff: dropped a message from %s (%s: %s)",
+                        source, type(e).__name__, e)
+            continue
+        on_message(msg)
+
+
 async def open_lane(worker: Any, address: str, timeout: float, op: str
                     ) -> tuple[Any, socket.socket, dict[str, Any]]:
     """Connect to `address` and announce a lane (on the event loop): (the comm, whose
@@ -161,17 +180,7 @@ async def accept_lane(comm: Any, on_message: Callable[[Any], None],
         try:
             sock.sendall(ACK)
             reader = sock.makefile("rb", buffering=1 << 16)
-            while True:
-                frames = read_frames(reader)
-                if frames is None:
-                    break
-                try:
-                    msg = loads(frames, deserialize=False)
-                except Exception as e:              # noqa: BLE001 - a garbled message
-                    log.warning("dagdiff: dropped a message from %s (%s: %s)",
-                                peer, type(e).__name__, e)
-                    continue
-                on_message(msg)
+            read_messages(reader, False, on_message, peer)
         except (OSError, ValueError):               # the lane closed (ValueError: its
             pass                                    # reader closed under it)
         finally:
