@@ -160,3 +160,44 @@ def test_a_closed_clients_inbox_is_dropped_by_the_workers(client2: Client) -> No
     while client2.run(open_inboxes) != before:
         assert time.monotonic() < deadline, (before, client2.run(open_inboxes))
         time.sleep(0.1)
+
+
+def test_a_trainer_step_loop_takes_its_losses_by_push(client2: Client) -> None:
+    """`state, loss = trainer.step(...); loss.result()` in a loop: once the inbox is
+    open, each loss comes by push (asked twice: the same value, no new wait); the
+    losses and the final parameters equal plain JAX + optax; a loss never asked for
+    leaves nothing kept for it in the inbox once the states holding it are gone."""
+    import gc
+
+    import optax
+
+    from tests.models import optax_reference
+
+    loss_fn, (params, x, t) = make_loss(2), data(2)
+    opt = optax.sgd(0.05)
+    trainer = dd.Trainer(loss_fn, opt, microbatches=2, schedule="1f1b", client=client2)
+    box = _ready_inbox(client2, dd.value_and_grad(loss_fn, microbatches=2, schedule="1f1b"),
+                       (params, x, t))
+    batches = [(x * (1.0 + i / 4), t) for i in range(5)]
+    state = trainer.init(params)
+    before = dict(box.stats())
+    losses = []
+    for batch in batches:
+        state, loss = trainer.step(state, *batch)
+        losses.append(float(loss.result()))
+        assert float(loss.result()) == losses[-1]
+    assert box.stats()["pushed"] - before["pushed"] == len(batches), (before, box.stats())
+    p, want = optax_reference(loss_fn, opt, params, batches)
+    np.testing.assert_allclose(losses, want, rtol=1e-5)
+    close(trainer.params(state), p)
+    state, loss = trainer.step(state, *batches[0])        # never asked for
+    key = str(loss.key)
+    assert key in box._wanted
+    del loss
+    for batch in batches:             # the states that hold it (the trainer's) move on
+        state, last = trainer.step(state, *batch)
+        last.result()
+        gc.collect()
+        if key not in box._wanted:
+            break
+    assert key not in box._wanted and key not in box._values

@@ -7,6 +7,7 @@ from typing import Any
 
 import dask
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -303,3 +304,47 @@ def test_bound_steps_send_their_programs_bodies_once(client2: Any) -> None:
     for w in after:
         assert after[w]["misses"] == before[w]["misses"], (w, before[w], after[w])
         assert after[w]["hits"] >= before[w]["hits"] + 4, (w, before[w], after[w])
+
+
+def test_bound_steps_carry_objects_of_main_by_value(client2: Any, monkeypatch: Any) -> None:
+    """A step whose layer reads a static object of a class defined in `__main__` (a
+    notebook's): the bound steps' program bodies carry it by value (the workers have no
+    such `__main__` attribute), and each step gives jax.value_and_grad's values."""
+    import dataclasses
+    import sys
+
+    @dataclasses.dataclass(frozen=True)
+    class Scale:
+        factor: float
+
+    Scale.__module__, Scale.__qualname__ = "__main__", "Scale"
+    monkeypatch.setattr(sys.modules["__main__"], "Scale", Scale, raising=False)
+
+    @dd.layer
+    def scaled(w: Any, x: Any, how: Any) -> Any:
+        return jnp.tanh(x @ w) * how.factor
+
+    @dd.layer
+    def mse(y: Any, t: Any) -> Any:
+        return jnp.mean((y - t) ** 2)
+
+    def loss_fn(params: Any, x: Any, t: Any) -> Any:
+        with dd.stage(0):
+            h = scaled(params[0], x, Scale(0.5))
+        with dd.stage(1):
+            return mse(scaled(params[1], h, Scale(2.0)), t)
+
+    def plain(params: Any, x: Any, t: Any) -> Any:
+        h = jnp.tanh(x @ params[0]) * 0.5
+        return jnp.mean((jnp.tanh(h @ params[1]) * 2.0 - t) ** 2)
+
+    key = jax.random.PRNGKey(3)
+    params = [jax.random.normal(jax.random.fold_in(key, i), (8, 8)) / 3 for i in range(2)]
+    t = jnp.ones((8, 8))
+    step = dd.value_and_grad(loss_fn, microbatches=2, schedule="1f1b")
+    for i in range(3):                      # lowered, then bound twice
+        x = jax.random.normal(jax.random.fold_in(key, 10 + i), (8, 8))
+        got_l, got_g = step.compute(params, x, t, client=client2)
+        want_l, want_g = jax.value_and_grad(plain)(params, x, t)
+        np.testing.assert_allclose(got_l, want_l, rtol=1e-5)
+        close(got_g, want_g)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import dask
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -102,9 +103,12 @@ def test_params_and_opt_state_stay_on_workers(client2: Any, monkeypatch: Any) ->
 
     monkeypatch.setattr(client2, "_gather", spy)
     state = trainer.init(params)
-    for x, t in batches:
-        state, loss = trainer.step(state, x, t)
-        float(loss.result())
+    # the losses through Dask's gather, so that the spy sees every value the client reads
+    # (with pushes on, a loss comes by push instead: tests/test_inbox.py)
+    with dask.config.set({"dagdiff.direct.push-outputs": False}):
+        for x, t in batches:
+            state, loss = trainer.step(state, x, t)
+            float(loss.result())
     assert gathered and all(dd.key_info(k).phase == "loss" for k in gathered), gathered
     # each (replica, stage) state is one Future held on its stage's worker
 

@@ -41,13 +41,13 @@ from ..lowering.collection import DelayedTree, needs_collection
 from ..lowering.graph import OutKey, assemble, pinned, to_delayed
 from ..lowering.lower import lower, select, trace_token
 from ..lowering.pipeline import stage_workers
-from ..runtime.direct.inbox import inbox_for
+from ..runtime.direct.inbox import inbox_for, pushes_enabled
 from ..runtime.plugins import ensure_colocation
 from ..runtime.shippable import check_shippable
 from .heap import freeze_heap, without_gc
 from .options import DISPATCH_MODES, LOWERING_SETTINGS, Options
 from .step import (Binding, Source, StepTasks, WindowError, chain_steps, compile_step,
-                   gather_graph, lower_replicas, replace_stages, window_graph)
+                   gather_graph, lower_replicas, push_loss, replace_stages, window_graph)
 
 
 __all__ = [
@@ -56,10 +56,11 @@ __all__ = [
     "resolve_dispatch", "step_token", "program_homes", "DISPATCH_MODES", "LOWERING_SETTINGS",
     # the pipelined core the Trainer extends (`step`), and the collector policy (`heap`)
     "Binding", "StepTasks", "compile_step", "lower_replicas", "replace_stages",
-    "chain_steps", "Source", "window_graph", "WindowError", "gather_graph", "without_gc",
-    "freeze_heap",
+    "chain_steps", "Source", "window_graph", "WindowError", "gather_graph", "push_loss",
+    "without_gc", "freeze_heap",
     # what the Trainer needs from the layers below, through this package
-    "OutKey", "to_delayed", "stage_workers", "pinned", "templates",
+    "OutKey", "to_delayed", "stage_workers", "pinned", "templates", "inbox_for",
+    "pushes_enabled",
 ]
 
 log = logging.getLogger(__name__)

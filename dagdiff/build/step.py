@@ -23,13 +23,15 @@ from ..lowering.graph import assemble, assemble_direct, direct_layer
 from ..lowering.memory import check_memory
 from ..lowering.pipeline import PipelineGraph, lower_pipeline
 from ..runtime.direct.graph import (Source, WindowError, chain_step, group_outputs,
-                                    merge_window)
+                                    merge_window, push_output)
+from ..runtime.direct.inbox import pushes_enabled
 from ..runtime.direct.runtime import new_nonce
 from .options import Options
 
 
 __all__ = ["StepTasks", "Binding", "lower_replicas", "compile_step", "replace_stages",
-           "chain_steps", "Source", "window_graph", "WindowError", "gather_graph"]
+           "chain_steps", "Source", "window_graph", "WindowError", "gather_graph",
+           "push_loss"]
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,17 @@ def chain_steps(graph: HighLevelGraph, sources: Mapping[str, Source], keys: Sequ
     if not dask.config.get("dagdiff.direct.chain-steps", True):
         return {}
     return chain_step(graph.layers[next(iter(graph.layers))].mapping, sources, keys)
+
+
+def push_loss(graph: HighLevelGraph, key: str) -> bool:
+    """Make output `key` of a direct-dispatch step's graph (a Trainer step's loss, one
+    layer, about to be submitted; changed in place) push its value to the client inboxes
+    open on its worker as it ends (`runtime.direct.inbox`), unless dask config
+    ``dagdiff.direct.push-outputs`` is false. Every submission of a step marks it alike,
+    whichever client submits it (one key, one task). False: not such an output."""
+    if not pushes_enabled() or len(graph.layers) != 1:
+        return False
+    return push_output(graph.layers[next(iter(graph.layers))].mapping, key)
 
 
 def window_graph(graphs: Sequence[HighLevelGraph], loss_keys: Sequence[str],

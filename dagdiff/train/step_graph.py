@@ -19,6 +19,7 @@ from ..build import (
     compile_step,
     lower_replicas,
     program_homes,
+    push_loss,
     resolve_dispatch,
     step_token,
     templates,
@@ -246,6 +247,8 @@ class StepGraph:
                              frozenset(updates.values()))
 
         graph, keys = compile_step(token, targets, direct, binding, lowered)
+        if direct:
+            push_loss(graph, str(keys[0]))     # the loss goes to the waiting client
         return graph, keys, order
 
     def _opt_bytes(self, model: "StepModel") -> dict[int, float]:

@@ -31,6 +31,7 @@ from ..build import (
     Options,
     Source,
     freeze_heap,
+    inbox_for,
     stage_workers,
     to_delayed,
     trace_model,
@@ -361,14 +362,23 @@ class Trainer(StepGraph, Restoring):
         pre = self._prepare(state, batch)
         freeze_heap(self.client)
         outs = to_delayed(pre.graph, pre.out_keys)
+        box = None
         if self.client is None:
             values = dask.compute(*outs, scheduler="threads")
         else:
+            # the loss is pushed to the client's inbox where it is open to every worker
+            box = inbox_for(self.client) if pre.direct else None
+            if box is not None and box.ready(pre.workers):
+                box.expect([str(pre.out_keys[0])])
+            else:
+                box = None
             values = self.client.compute(outs)
         lineage = self._lineage(pre.state, batch)
         loss = values[0]
         if self.client is not None:
             loss = StepLoss(loss.key, self.client, pre.state.step, pre.workers)
+            if box is not None:
+                loss.take_pushed(box)
         return self._finish(pre, loss, values[1:], lineage), loss
 
     def fit(self, batches: Iterable[Sequence[Any]], steps: int | None = None,

@@ -21,7 +21,8 @@ from .runtime import _timeout, new_nonce, run_program, run_programs, runtime
 
 
 __all__ = ["DirectGraph", "rewrite", "next_base", "RESOURCE_SHARE", "chain_step",
-           "Source", "merge_window", "WindowError", "group_outputs", "run_gathered"]
+           "Source", "merge_window", "WindowError", "group_outputs", "run_gathered",
+           "push_output", "plain_output"]
 
 log = logging.getLogger(__name__)
 
@@ -281,7 +282,7 @@ def merge_window(steps: list[dict[str, Any]], loss_keys: list[str],
     flat: list[Any] = []
     remote: dict[str, list[str]] = {}            # worker -> names its part gives
     for i, (dsk, lk) in enumerate(zip(steps, loss_keys)):
-        t = dsk[lk]
+        t = plain_output(dsk[lk])
         if not (isinstance(t, Task) and t.func is _output) or t.kwargs:
             raise WindowError(f"step {i}'s loss {lk} is not a plain output of its programs")
         here, n = t.args[0], t.args[1]
@@ -515,6 +516,35 @@ async def _pick(result: ProgramResult, key: str, *keep: Any) -> Any:
     """The value of action `key`, from its program's result (`keep`: values of the step
     before that its programs took in place, `chain_step`: dependencies only)."""
     return result.value(key)
+
+
+async def _output_pushed(key: str, here: int, n: int, *rest: Any, **kwargs: Any) -> Any:
+    """`_output` (task `key`) whose value also goes to every client inbox open on its
+    worker (`push_output`: a Trainer step's loss, which the client waits for)."""
+    value = await _output(here, n, *rest, **kwargs)
+    try:
+        runtime().inboxes.push_all(key, value)
+    except Exception:                           # noqa: BLE001 - the client gathers it
+        log.exception("dagdiff: pushing %s failed", key)
+    return value
+
+
+def push_output(dsk: dict[str, Any], key: str) -> bool:
+    """Make output task `key` of a rewritten step (`dsk`, changed in place) push its
+    value to the client inboxes open on its worker as it ends; False if `key` is not a
+    plain output task."""
+    t = dsk.get(key)
+    if not (isinstance(t, Task) and t.func is _output):
+        return False
+    dsk[key] = Task(key, _output_pushed, key, *t.args, **t.kwargs)
+    return True
+
+
+def plain_output(t: Any) -> Any:
+    """An output task as `_output` (a pushing one without its push)."""
+    if isinstance(t, Task) and t.func is _output_pushed:
+        return Task(t.key, _output, *t.args[1:], **t.kwargs)
+    return t
 
 
 async def _output(here: int, n: int, *rest: Any, **kwargs: Any) -> Any:

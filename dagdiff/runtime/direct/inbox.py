@@ -213,15 +213,17 @@ class ClientInbox:
         with self._cond:
             self._wanted.update(keys)
 
-    def take(self, keys: Collection[str], futures: Collection[Any]) -> dict[str, Any] | None:
+    def take(self, keys: Collection[str], futures: Collection[Any],
+             timeout: float | None = None) -> dict[str, Any] | None:
         """Wait until every key of `keys` was pushed: their values. None (gather them
         from Dask) when a worker said it would not push one (too large), when one of
-        `futures` (the step's) failed or was cancelled, or when they all finished and
-        the pushes did not come within `GRACE` s (a push lost)."""
+        `futures` (the step's) failed or was cancelled, when they all finished and the
+        pushes did not come within `GRACE` s (a push lost), or after `timeout` s."""
         wake = self._wake
         for f in futures:
             f.add_done_callback(wake)
         deadline: float | None = None
+        give_up = None if timeout is None else time.monotonic() + timeout
         try:
             with self._cond:
                 while True:
@@ -234,9 +236,13 @@ class ClientInbox:
                                            for f in futures):
                         break
                     wait = 1.0
+                    if give_up is not None:
+                        wait = give_up - time.monotonic()
+                        if wait <= 0:
+                            break
                     if all(f.done() for f in futures):
                         deadline = deadline or time.monotonic() + GRACE
-                        wait = deadline - time.monotonic()
+                        wait = min(wait, deadline - time.monotonic())
                         if wait <= 0:
                             break
                     self._cond.wait(wait)
@@ -398,6 +404,13 @@ class InboxEnds:
                 self._drop(inbox)
             return False
         return pushed
+
+    def push_all(self, key: str, value: Any) -> int:
+        """`push` `value` to every inbox open here (whichever client waits for `key`
+        takes it; the others drop it): how many took it."""
+        with self._lock:
+            inboxes = list(self._ends)
+        return sum(self.push(inbox, key, value) for inbox in inboxes)
 
     def _drop(self, inbox: str) -> None:
         """Close inbox `inbox` here (call with the lock): its handler ends."""

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import pickle
 import threading
 import uuid
 from typing import Any
+
+from distributed.protocol.pickle import dumps, loads
 
 from .plan import PlannedAction
 
@@ -93,7 +94,8 @@ class _BodyCache:
                 self._sent.move_to_end(id(body[2]))
                 self.hits += 1
                 return entry[1], entry[2]
-        blob = pickle.dumps(body, protocol=pickle.HIGHEST_PROTOCOL)
+        # distributed's pickle: objects of `__main__` (a notebook's classes) by value
+        blob = dumps(body)
         body_id = uuid.uuid4().hex
         with self._lock:
             self.misses += 1
@@ -107,7 +109,7 @@ class _BodyCache:
                 self._by_id.move_to_end(body_id)
                 self.hits += 1
                 return entry[0]
-        body = pickle.loads(blob)
+        body = loads(blob)
         with self._lock:
             self.misses += 1
             self._remember(body_id, body, blob)
