@@ -11,6 +11,7 @@ step runs again from there: same inputs, same result, no update applied twice.
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Mapping
@@ -108,9 +109,12 @@ class StepLoss(Future):
     def result(self, timeout: float | None = None) -> Any:
         box, self._inbox = self._inbox, None
         if box is not None:
+            start = time.monotonic()
             got = box.take([str(self.key)], [self], timeout)
             if got is not None:
                 self._pushed = (got[str(self.key)],)
+            elif timeout is not None:               # what is left of it for Dask
+                timeout = max(0.0, timeout - (time.monotonic() - start))
         if self._pushed is not None:
             return self._pushed[0]
         try:
