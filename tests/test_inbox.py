@@ -201,3 +201,31 @@ def test_a_trainer_step_loop_takes_its_losses_by_push(client2: Client) -> None:
         if key not in box._wanted:
             break
     assert key not in box._wanted and key not in box._values
+
+
+def test_a_push_on_the_event_loop_never_blocks_on_a_client_that_does_not_read() -> None:
+    """`push_all` (a loss task, on the worker's event loop) to a client that stopped
+    reading: once the socket cannot take a push at once, the inbox is dropped instead of
+    the event loop waiting on it."""
+    import asyncio
+    import socket
+    import threading
+
+    from dagdiff.runtime.direct.inbox import InboxEnds
+
+    mine, theirs = socket.socketpair()
+    mine.settimeout(60.0)
+    loop = asyncio.new_event_loop()
+    try:
+        ends = InboxEnds(worker=None, write_timeout=60.0)
+        ends._ends["box"] = (mine, threading.Lock(), None, {}, loop, loop.create_future())
+        value = np.zeros(1_000, np.float32)             # 4 KB a push
+        start, pushes = time.monotonic(), 0
+        while ends.push_all("loss-k", value) and pushes < 10_000:
+            pushes += 1
+        assert time.monotonic() - start < 10, pushes
+        assert pushes >= 1 and ends.open_inboxes() == 0
+    finally:
+        theirs.close()
+        mine.close()
+        loop.close()

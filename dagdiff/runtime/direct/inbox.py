@@ -372,10 +372,12 @@ class InboxEnds:
         with self._lock:
             return len(self._ends)
 
-    def push(self, inbox: str, key: str, value: Any) -> bool:
+    def push(self, inbox: str, key: str, value: Any, wait: bool = True) -> bool:
         """Write `value` (pushed under `key`) to the client's inbox `inbox`, now, if it is
         small (`INLINE_WRITE`) and the inbox is open here; False otherwise (the client
-        gathers it). A failed write closes that inbox."""
+        gathers it). A failed write closes that inbox. `wait=False` (on the event loop):
+        a write the socket cannot take at once fails (and closes the inbox) instead of
+        blocking."""
         from dask.sizeof import sizeof
         from distributed.protocol import to_serialize
 
@@ -396,9 +398,17 @@ class InboxEnds:
         if frames is None or sum(memoryview(f).nbytes for f in frames) > INLINE_WRITE:
             # the client stops waiting for it at once and gathers it from Dask
             frames, pushed = encode({"key": key, "refused": True}, context), False
+        if not lock.acquire(blocking=wait):
+            return False                                # another write is under way
         try:
-            with lock:
+            if not wait:
+                sock.settimeout(0.0)
+            try:
                 write_frames(sock, [frames])
+            finally:
+                if not wait:
+                    sock.settimeout(self._write_timeout)
+                lock.release()
         except OSError as e:
             log.debug("dagdiff: inbox %s closed (%s)", inbox, e)
             with self._lock:
@@ -408,10 +418,11 @@ class InboxEnds:
 
     def push_all(self, key: str, value: Any) -> int:
         """`push` `value` to every inbox open here (whichever client waits for `key`
-        takes it; the others drop it): how many took it."""
+        takes it; the others drop it), never blocking (called on the event loop): how
+        many took it."""
         with self._lock:
             inboxes = list(self._ends)
-        return sum(self.push(inbox, key, value) for inbox in inboxes)
+        return sum(self.push(inbox, key, value, wait=False) for inbox in inboxes)
 
     def _drop(self, inbox: str) -> None:
         """Close inbox `inbox` here (call with the lock): its handler ends."""
