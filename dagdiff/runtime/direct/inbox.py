@@ -36,7 +36,7 @@ import dask
 from distributed.comm import connect
 
 from ..internals import DONT_REPLY, take_socket
-from .lanes import ACK, read_messages, shutdown
+from .lanes import ACK, close_reader, read_messages, resolve, shutdown
 
 __all__ = ["INBOX_OP", "PUSH_KEY", "ClientInbox", "InboxEnds", "inbox_for", "pushes_enabled"]
 
@@ -166,11 +166,7 @@ class ClientInbox:
         except (OSError, ValueError) as e:
             log.debug("dagdiff: inbox connection from %s ended (%s)", address, e)
         finally:
-            if reader is not None:
-                try:
-                    reader.close()
-                except OSError:
-                    pass
+            close_reader(reader)
             shutdown(sock)
             sock.close()
             self._failed(address)
@@ -307,11 +303,6 @@ def inbox_for(client: Any) -> ClientInbox | None:
     return box
 
 
-def _resolve(fut: asyncio.Future) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
 class InboxEnds:
     """A worker's ends of its clients' inboxes (the ``dagdiff_inbox`` handler): `push`
     writes an output to one from the program's thread. The newest `KEEP` are kept."""
@@ -365,7 +356,7 @@ class InboxEnds:
         with self._lock:
             if self._ends.get(inbox, (None,) * 6)[5] is ended:
                 self._drop(inbox)
-        _resolve(ended)
+        resolve(ended)
 
     def open_inboxes(self) -> int:
         """How many clients' inboxes are open here."""
@@ -430,7 +421,7 @@ class InboxEnds:
         if end is not None:
             shutdown(end[0])
             try:
-                end[4].call_soon_threadsafe(_resolve, end[5])
+                end[4].call_soon_threadsafe(resolve, end[5])
             except RuntimeError:                        # the loop is closed
                 pass
 

@@ -39,7 +39,7 @@ from ..internals import take_socket
 
 
 __all__ = ["LANES_KEY", "lanes_for", "OutLane", "open_lane", "accept_lane", "read_frames",
-           "read_messages",
+           "read_messages", "resolve", "close_reader",
            "write_frames", "encode", "shutdown", "send_failure", "tell", "ACK",
            "INLINE_WRITE"]
 
@@ -184,13 +184,9 @@ async def accept_lane(comm: Any, on_message: Callable[[Any], None],
         except (OSError, ValueError):               # the lane closed (ValueError: its
             pass                                    # reader closed under it)
         finally:
-            if reader is not None:
-                try:
-                    reader.close()
-                except OSError:
-                    pass
+            close_reader(reader)
             try:
-                loop.call_soon_threadsafe(_resolve, ended)
+                loop.call_soon_threadsafe(resolve, ended)
             except RuntimeError:                    # the worker's loop is closed
                 pass
 
@@ -205,9 +201,19 @@ async def accept_lane(comm: Any, on_message: Callable[[Any], None],
     return True
 
 
-def _resolve(fut: asyncio.Future) -> None:
+def resolve(fut: asyncio.Future) -> None:
+    """Set `fut`'s result (None) unless it is done (on its loop)."""
     if not fut.done():
         fut.set_result(None)
+
+
+def close_reader(reader: Any) -> None:
+    """Close a reader thread's file object of its socket (None: nothing to close)."""
+    if reader is not None:
+        try:
+            reader.close()
+        except OSError:
+            pass
 
 
 def shutdown(sock: socket.socket | None) -> None:
