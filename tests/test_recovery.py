@@ -34,6 +34,27 @@ def loss_fn(params: Any, x: Any, t: Any) -> Any:
         return M.mse(h, t)
 
 
+def _slow_fwd(x: Any) -> Any:
+    time.sleep(0.05)
+    return np.asarray(x), None
+
+
+#: the identity, 50 ms a call on the worker: a step's last stage runs >= 200 ms, so a kill
+#: seen "mid-step" lands before the step's loss exists (and is pushed to the client)
+slow = dd.custom_layer(_slow_fwd, lambda res, ct: (np.asarray(ct),), name="slow",
+                       jax_fn=lambda x: x)
+
+
+def slow_loss_fn(params: Any, x: Any, t: Any) -> Any:
+    """`loss_fn`'s values, its last stage slowed by `slow`."""
+    h = x
+    for i, p in enumerate(params):
+        with dd.stage(i // 2):
+            h = M.dense(p, h)
+    with dd.stage(1):
+        return M.mse(slow(h), t)
+
+
 def make_data(steps: int, batch: int = 32) -> tuple[Any, list[tuple[Any, Any]]]:
     params = M.init_dense(KEY, [WIDTH] * 5)
     batches = [(jax.random.normal(jax.random.fold_in(KEY, 10 + i), (batch, WIDTH)),
@@ -356,8 +377,8 @@ def test_a_step_loop_survives_lost_workers_with_trainer_recover(cluster_client: 
     client = cluster_client
     opt = optax.sgd(0.05)
     params, batches = make_data(6)
-    trainer = dd.Trainer(loss_fn, opt, microbatches=4, schedule="1f1b", replicas=replicas,
-                         client=client, copy_every=2, copy_interval=0)
+    trainer = dd.Trainer(slow_loss_fn, opt, microbatches=4, schedule="1f1b",
+                         replicas=replicas, client=client, copy_every=2, copy_interval=0)
     state = trainer.init(params)
     rng, losses, failed = random.Random(replicas), [], []
     for i, (x, t) in enumerate(batches):
@@ -391,7 +412,7 @@ def test_recover_goes_back_past_a_state_whose_copies_had_not_landed(cluster_clie
     client = cluster_client
     opt = optax.sgd(0.05)
     params, batches = make_data(5)
-    trainer = dd.Trainer(loss_fn, opt, microbatches=4, schedule="1f1b", client=client,
+    trainer = dd.Trainer(slow_loss_fn, opt, microbatches=4, schedule="1f1b", client=client,
                          copy_every=1, copy_interval=0)
     state = trainer.init(params)
     losses = []
