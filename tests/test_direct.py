@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import dagdiff as dd
-from dagdiff.runtime.direct import run_program
+from dagdiff.runtime.direct import RunNonce, run_program
 from dagdiff.runtime.direct.messages import pack, unpack
 from tests.models import assert_matches_jax, close, data, make_loss, probe_every
 
@@ -88,22 +88,23 @@ def test_a_step_is_one_program_per_worker_in_schedule_order(client2: Any) -> Non
     for out in [loss, *jax.tree_util.tree_leaves(grads)]:
         assert dsk[out.key].dependencies == set(progs), out.key
         assert dsk[out.key].is_coro, out.key        # run on the worker's event loop
-    # stage 0's program (it starts the pipeline) is sent first once the nonce is ready
+    # stage 0's program (it starts the pipeline) is sent first
     (layer,) = loss.__dask_graph__().layers.values()
     prio = {k: layer.annotations["priority"](k) for k in progs}
     lead = next(k for k, p in progs.items()
                 if any((i.phase, i.stage) == ("F", 0) for i in map(dd.key_info,
                                                                    (a.key for a in p.actions))))
     assert prio[lead] == max(prio.values()) > min(prio.values()), prio
+    assert len({dsk[k].args[1] for k in progs}) == 1         # one run id for the step
     for k, prog in progs.items():
         # programs read only the step's inputs, never each other (values go directly)
         assert not set(dsk[k].dependencies) & set(progs), k
-        # the step's inputs that are Dask keys (resident parameters) and the run nonce;
+        # the step's inputs that are Dask keys (resident parameters), and no task for the
+        # run id: the programs carry one (stamped afresh by the scheduler per submission);
         # the batch travels inside the program task (no scattered data: recomputable)
-        nonce = next(d for d in dsk[k].dependencies if d.startswith("run_step"))
         resident = {s for s in prog.statics if not s.startswith("input_")}
-        assert set(dsk[k].dependencies) == resident | {nonce}
-        assert dsk[nonce].dependencies == frozenset()
+        assert set(dsk[k].dependencies) == resident
+        assert type(dsk[k].args[1]) is RunNonce
         actions = [a.key for a in prog.actions]
         # no action is also an ordinary task, except as its program's export
         for a in prog.actions:
@@ -513,7 +514,7 @@ def test_fit_in_windows_runs_k_steps_as_one_task_per_worker(client2: Any,
                                                             monkeypatch: Any) -> None:
     """`trainer.fit(batches, window=3)`: 7 steps submitted as windows of 3, 3 and 1; a
     window's graph has one program task per worker (running its 3 steps' programs), one
-    nonce, one loss output and the last step's state; each step's loss and the final
+    run id, one loss output and the last step's state; each step's loss and the final
     parameters equal plain JAX + optax (and window=1's), and the state fit returns steps
     on as usual."""
     import optax
@@ -533,7 +534,10 @@ def test_fit_in_windows_runs_k_steps_as_one_task_per_worker(client2: Any,
         windows = [t for t in tasks if t.func is run_programs]
         assert len(windows) == 2 and all(t.args[1] == 3 for t in windows)
         assert not any(t.func is run_program for t in tasks)
-        assert len(tasks) == 2 + 1 + 1 + 2        # windows, nonce, losses, state picks
+        assert len(tasks) == 2 + 1 + 2            # windows, losses, state picks
+        # the windows carry one run id, and no task makes it
+        assert len({t.args[2] for t in windows}) == 1 and type(windows[0].args[2]) is \
+            RunNonce
     state, more = tr.fit(batches[7:], state=state, progress=False, window=3)
     p, want = _optax_reference(opt, params, batches)
     np.testing.assert_allclose(losses + more, want, rtol=1e-5)

@@ -95,6 +95,52 @@ def test_the_same_delayed_computed_twice(client2: Any, schedule: str, dispatch: 
         _check(got, make_loss(2), params, x, t)
 
 
+def _spy_run_ids(dask_worker: Any, stop: bool = False) -> list[tuple[str, str]]:
+    """On a worker: from now on, note (program key, run id) of every program run (the
+    runs noted so far, and the spy removed, with `stop`)."""
+    rt = dask_worker.extensions["dagdiff"]
+    seen = rt.__dict__.get("_test_run_ids")
+    if stop:
+        rt.__dict__.pop("run", None)
+        return list(rt.__dict__.pop("_test_run_ids", []))
+    if seen is None:
+        seen = rt._test_run_ids = []
+        run = rt.run
+
+        def spy(prog: Any, nonce: str, *args: Any, **kwargs: Any) -> Any:
+            seen.append((prog.key, str(nonce)))
+            return run(prog, nonce, *args, **kwargs)
+
+        rt.run = spy
+    return list(seen)
+
+
+def test_each_submission_runs_its_programs_under_a_fresh_run_id(client2: Any) -> None:
+    """The run id a step's program tasks carry is stamped afresh by the scheduler on each
+    submission (no nonce task): the same Delayed computed twice runs its two programs
+    under one id each time, a new one the second time, neither the graph's own; the
+    values equal jax both times."""
+    from dagdiff.runtime.direct import run_program
+
+    params, x, t = data(2)
+    client2.run(_spy_run_ids)
+    try:
+        with client2.as_current():
+            loss, grads = _step("1f1b", "direct")(params, x, t)
+            dsk = dict(loss.__dask_graph__())
+            progs = {k: v for k, v in dsk.items() if getattr(v, "func", None) is run_program}
+            built = {str(v.args[1]) for v in progs.values()}
+            assert len(progs) == 2 and len(built) == 1
+            for _ in range(2):
+                _check(client2.compute([loss, grads], sync=True), make_loss(2), params, x, t)
+    finally:
+        seen = [r for rs in client2.run(_spy_run_ids, stop=True).values() for r in rs]
+    assert sorted(k for k, _ in seen) == sorted([*progs, *progs])
+    ids = [{n for k, n in seen if k == key} for key in progs]
+    assert ids[0] == ids[1] and len(ids[0]) == 2, seen     # both programs, two fresh ids
+    assert not ids[0] & built, (ids, built)
+
+
 def _until_forgotten(client: Any, key: str) -> None:
     def known(dask_scheduler: Any) -> bool:
         return key in dask_scheduler.tasks

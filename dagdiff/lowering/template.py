@@ -9,7 +9,8 @@ the batch values, the resident parameters' Futures and the step's priority base 
 `bind` makes exactly those, so a bound step has the keys a fresh build would give it.
 
 The programs' own action keys keep the template's token: they name values inside one run
-(messages carry the run id, a fresh nonce per submission), never Dask tasks.
+(messages carry the run id, a fresh nonce per submission: a `RunNonce` the scheduler
+stamps), never Dask tasks.
 
 The cache holds `TEMPLATE_CACHE_SIZE` templates per process (least recently used out);
 a template holds no batch value and no resident parameter, only keys and the programs
@@ -30,7 +31,7 @@ import jax
 from dask.highlevelgraph import HighLevelGraph
 
 from ..core.tracer import Trace
-from ..runtime.direct import DirectGraph, Program, next_base, run_program
+from ..runtime.direct import DirectGraph, Program, RunNonce, new_nonce, next_base, run_program
 from ..runtime.tasks import host_view
 from ..runtime.taskspec import DataNode, Task, TaskRef
 from .graph import OutKey, direct_layer
@@ -162,6 +163,7 @@ class StepTemplate:
         subs.update(keys or {})
         deps = {**subs, **held}
         base = next_base()
+        nonce = RunNonce(new_nonce())           # the step's run id, stamped per submission
         dsk: dict[str, Any] = {}
         for k, t in self.dsk.items():
             k1 = subs[k]
@@ -174,7 +176,7 @@ class StepTemplate:
                         else (held[a.key] if isinstance(a, TaskRef) and a.key in held else
                               TaskRef(subs.get(a.key, a.key)) if isinstance(a, TaskRef) else a)
                         for a in t.args[2:]]
-                dsk[k1] = Task(k1, run_program, prog, TaskRef(subs[t.args[1].key]), *args)
+                dsk[k1] = Task(k1, run_program, prog, nonce, *args)
             elif isinstance(t, Task):
                 dsk[k1] = t.substitute(deps, key=k1)
             else:

@@ -8,7 +8,8 @@ Public API is used wherever it exists; what is left here has no public equivalen
   lowered for pipeline hops (`Scheduler.stream_comms`, `Worker.batched_stream`);
 - task placement after submission: `TaskState.worker_restrictions` /
   `loose_restrictions` (a VJP task pinned to its forward's worker), and the task a
-  scheduler TaskState runs (`TaskState.run_spec`: which forward a VJP task reads);
+  scheduler TaskState runs (`TaskState.run_spec`: which forward a VJP task reads; a
+  program task's run id, stamped fresh as it is submitted);
 - the Active Memory Manager's policy set (`ActiveMemoryManagerExtension.policies`);
 - the worker's estimate of its clock offset to the scheduler (`Worker.scheduler_delay`);
 - raw comms for direct dispatch: `Comm.deserialize`, `Status.dont_reply`,
@@ -35,7 +36,7 @@ __all__ = ["DONT_REPLY", "merge_and_deserialize", "serialize_numpy_ndarray",
            "scheduler_client_stream", "shorten_interval",
            "pin_task", "unpin_task", "task_pinned", "amm_policies", "scheduler_delay", "raw_comm",
            "inline_writes", "take_socket", "task_stream_record", "cluster_status_hook",
-           "correct_state", "task_spec", "REQUIRED"]
+           "correct_state", "task_spec", "set_task_spec", "REQUIRED"]
 
 #: a handler's return value that tells distributed not to answer on the comm
 DONT_REPLY = Status.dont_reply
@@ -112,6 +113,12 @@ def unpin_task(ts: Any) -> None:
 def task_spec(ts: Any) -> Any:
     """The task (a ``dask._task_spec`` node) a scheduler TaskState runs, or None."""
     return getattr(ts, "run_spec", None)
+
+
+def set_task_spec(ts: Any, task: Any) -> None:
+    """Make a scheduler TaskState run `task` (a ``dask._task_spec`` node with the same key
+    and dependencies) from its next dispatch on; only before it leaves "released"."""
+    ts.run_spec = task
 
 
 def task_pinned(ts: Any) -> bool:

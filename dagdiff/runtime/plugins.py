@@ -22,9 +22,10 @@ from distributed.active_memory_manager import ReduceReplicas
 from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 
 from .direct import install
-from .direct.runtime import PEER_LOST_OP
+from .direct.runtime import NONCE_TAKERS, PEER_LOST_OP, stamp_run_nonces
 from .internals import (amm_policies, client_stream, pin_task, scheduler_client_stream,
-                        shorten_interval, stream_comms, task_spec, unpin_task, worker_stream)
+                        set_task_spec, shorten_interval, stream_comms, task_spec, unpin_task,
+                        worker_stream)
 from .live import LiveActions
 from .serialize import register
 from .tasks import pullback_of
@@ -51,8 +52,11 @@ _registered: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 class ColocateVJP(SchedulerPlugin):
-    """Pin each backward task to the worker where the forward task it reads its pullback
-    from ran (unless the user pinned it with a ``workers=`` annotation)."""
+    """dagdiff's scheduler plugin: pin each backward task to the worker where the forward
+    task it reads its pullback from ran (unless the user pinned it with a ``workers=``
+    annotation); stamp a fresh run id on each direct-dispatch program task as it is
+    submitted or run again (`stamp_run_nonces`); flush message streams every
+    `_latency()`; tell clients and workers when a worker joins or leaves."""
 
     name = "dagdiff-colocate-vjp"
     idempotent = True                  # registered once per cluster, by its first client
@@ -63,6 +67,9 @@ class ColocateVJP(SchedulerPlugin):
         #: keys of forward tasks some backward task reads a pullback from: the only keys
         #: whose transitions this plugin looks at (one set lookup for every other task)
         self._forwards: set[Any] = set()
+        #: the stimulus whose program tasks `_fresh` holds the new run ids of
+        self._stimulus: Any = None
+        self._fresh: dict[str, Any] = {}
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
@@ -110,6 +117,8 @@ class ColocateVJP(SchedulerPlugin):
                 self._forwards.add(f)
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+        if start == "released" and finish == "waiting":
+            self._stamp(key, kwargs.get("stimulus_id"))
         if key not in self._forwards:
             return
         if finish == "forgotten":
@@ -130,6 +139,23 @@ class ColocateVJP(SchedulerPlugin):
                     pin_task(dts, pin)
                 else:
                     unpin_task(dts)
+
+
+    def _stamp(self, key: Any, stimulus: Any) -> None:
+        """A program task about to run (again): a fresh run id in place of the one its
+        graph carries, shared by the programs of its step, which one stimulus (a graph's
+        submission, a retry) sends together. It runs at once, with no nonce task."""
+        if stimulus is None or self.scheduler is None:
+            return
+        spec = task_spec(self.scheduler.tasks.get(key))
+        func = getattr(spec, "func", None)
+        if not any(func is f for f in NONCE_TAKERS):
+            return
+        if stimulus != self._stimulus:
+            self._stimulus, self._fresh = stimulus, {}
+        stamped = stamp_run_nonces(spec, self._fresh)
+        if stamped is not None:
+            set_task_spec(self.scheduler.tasks[key], stamped)
 
 
 class LoadDagdiff(WorkerPlugin):

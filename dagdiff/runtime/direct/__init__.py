@@ -9,9 +9,10 @@ bookkeeping. Here a step is a handful of Dask tasks per worker:
 
 * `plan` (pure): which tasks each worker's program runs, in the order of a simulated run
   of the schedule, and which values go to which other worker (only the leaves it reads);
-* `graph`: the rewritten Dask graph: a program task per worker, a ``run_`` nonce task
-  (one per submission, so a step computed again is a new run), the step's outputs as
-  ordinary tasks that wait for every program;
+* `graph`: the rewritten Dask graph: a program task per worker carrying the step's run id
+  (a `RunNonce`, stamped afresh by dagdiff's scheduler plugin per submission, so a step
+  computed again is a new run), the step's outputs as ordinary tasks that wait for every
+  program;
 * `program`: the frozen record of a worker's program (the plan's actions bound to their
   tasks, the step's inputs, its peers);
 * `run`: one run of a program on a worker (`ProgramRun`): its inbox, the interpreter,
@@ -34,10 +35,12 @@ from ...errors import DirectDispatchError, UpstreamError
 from .graph import RESOURCE_SHARE, DirectGraph, Source, chain_step, next_base, rewrite
 from .plan import Consumers, PlannedAction, linearize, plan_programs
 from .program import Program
-from .runtime import EXTENSION, DirectRuntime, compute_log, install, run_program
+from .runtime import (EXTENSION, DirectRuntime, RunNonce, compute_log, install, new_nonce,
+                      run_program)
 
 
 __all__ = ["DirectDispatchError", "UpstreamError", "RESOURCE_SHARE", "DirectGraph", "next_base",
            "rewrite", "Source", "chain_step", "linearize", "plan_programs", "EXTENSION",
            "PlannedAction", "Consumers",
-           "DirectRuntime", "Program", "compute_log", "install", "run_program"]
+           "DirectRuntime", "Program", "compute_log", "install", "run_program", "RunNonce",
+           "new_nonce"]

@@ -1,5 +1,5 @@
-"""Rewrite a step's task graph for direct dispatch: one program task per worker, a nonce
-task per submission, and the step's outputs as ordinary tasks waiting for every program."""
+"""Rewrite a step's task graph for direct dispatch: one program task per worker, carrying
+the step's run id, and the step's outputs as ordinary tasks waiting for every program."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,7 +17,8 @@ from ..taskspec import DataNode, Task, TaskRef
 from .plan import ProgramPlan, plan_programs
 from .results import Export, LocalImport, ProgramResult
 from .program import Program
-from .runtime import _timeout, new_nonce, run_program, run_programs, runtime
+from .runtime import (NONCE_TAKERS, RunNonce, _timeout, new_nonce, run_program, run_programs,
+                      runtime)
 
 
 __all__ = ["DirectGraph", "rewrite", "next_base", "RESOURCE_SHARE", "chain_step",
@@ -42,7 +43,7 @@ def next_base() -> int:
 @dataclasses.dataclass(frozen=True)
 class DirectGraph:
     """The rewritten graph: tasks, and the placement and priority of the new tasks
-    (programs, the nonce, the tasks that pick a program's exports)."""
+    (programs, the tasks that pick a program's exports)."""
 
     dsk: dict[str, Any]
     priority: dict[str, int]
@@ -59,9 +60,11 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
     stay ordinary tasks, and does not wait on an ordinary task) into an action of its
     worker's program (see `dagdiff.runtime.direct.plan`).
 
-    Each program reads the step's ``run_`` task, a fresh nonce computed once per
-    submission: computing the step again (the same Delayed, a re-run cell) runs the
-    programs under a new run id, so its messages never mix with an earlier run's. Data
+    Each program task carries the step's run id (a `RunNonce`), which dagdiff's scheduler
+    plugin stamps afresh, the same for all of them, each time they are submitted:
+    computing the step again (the same Delayed, a re-run cell) runs the programs under a
+    new run id, so its messages never mix with an earlier run's, and no task or round
+    trip makes the id before the programs start. Data
     the programs read (the batch) is embedded in their tasks, not scattered: the graph
     stays recomputable, and its keys name one computation.
 
@@ -105,14 +108,11 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
     base = next_base()
     out_priority: dict[str, int] = {}
     placed: dict[str, str] = {}
-    nonce_key = make_key("run", "step", 0, token)
-    dsk[nonce_key] = Task(nonce_key, new_nonce)
-    placed[nonce_key] = plan.programs[0].where
-    out_priority[nonce_key] = base + 1
+    nonce = RunNonce(new_nonce())       # stamped afresh by the scheduler per submission
     members_all = [(p.where, addr(p.where)) for p in plan.programs]
     # the program that can run longest before it waits for another worker (stage 0's,
-    # which starts the pipeline) is sent first once the nonce is ready: the scheduler
-    # sends equal-priority tasks in no set order, and every other worker waits for it
+    # which starts the pipeline) is sent first: the scheduler sends equal-priority tasks
+    # in no set order, and every other worker waits for it
     lead = max(range(len(plan.programs)), key=lambda i: _leading(plan.programs[i]))
     programs = []
     exported: dict[str, int] = {}          # exported action key -> its program's index
@@ -136,7 +136,7 @@ def rewrite(dsk: Mapping[str, Any], worker_of: Mapping[str, str | None],
             node = dsk.get(s)
             args.append(node.value if s in inline and isinstance(node, DataNode)
                         else TaskRef(s))
-        dsk[pk] = Task(pk, run_program, prog, TaskRef(nonce_key), *args)
+        dsk[pk] = Task(pk, run_program, prog, nonce, *args)
         placed[pk] = w
         out_priority[pk] = base + (1 if i == lead else 0)
         programs.append(prog)
@@ -237,7 +237,7 @@ def merge_window(steps: list[dict[str, Any]], loss_keys: list[str],
     """k chained direct-dispatch steps (each rewritten by `rewrite` and chained by
     `chain_step` to the one before, whose state its programs read in place) as one
     submission: per worker one task that runs its k programs in order (`run_programs`),
-    the first step's nonce (each step's token already names its runs), one output with
+    the first step's run id (each step's token already names its runs), one output with
     the k losses (a tuple), and the last step's state picks (which keep the first step's
     state as their dependency, as `chain_step` does); the output and the picks under the
     keys of the last step's with a token of the window's own. Returns the new tasks and,
@@ -255,7 +255,7 @@ def merge_window(steps: list[dict[str, Any]], loss_keys: list[str],
                 continue
             prog: Program = t.args[0]
             if i == 0:
-                nonce = nonce or str(t.args[1].key)
+                nonce = nonce or t.args[1]
                 first_prog[prog.address] = key
             elif prog.address not in first_prog:
                 raise WindowError(f"step {i} of the window runs on {prog.address}, step 0 not")
@@ -275,8 +275,8 @@ def merge_window(steps: list[dict[str, Any]], loss_keys: list[str],
     seq = {a: make_key("program", f"{sanitize(ps[0][0].where)}_x{k}", i, wtoken)
            for i, (a, ps) in enumerate(sorted(progs.items()))}
     keep: dict[str, set[str]] = {a: set() for a in progs}
-    new: dict[str, Any] = {nonce: steps[0][nonce]}
-    takes: dict[str, str] = {nonce: nonce}
+    new: dict[str, Any] = {}
+    takes: dict[str, str] = {}
     # the k losses as one output, on the last loss's worker
     order = sorted(seq)
     flat: list[Any] = []
@@ -346,7 +346,7 @@ def merge_window(steps: list[dict[str, Any]], loss_keys: list[str],
                     raise WindowError(f"{prog.key} reads {a.key}, which the window drops")
             args.extend((prog, serial, len(statics), *statics))
         key = seq[addr]
-        new[key] = Task(key, run_programs, key, k, TaskRef(nonce), *args,
+        new[key] = Task(key, run_programs, key, k, nonce, *args,
                         keep=tuple(sorted(keep[addr])))
         takes[key] = first_prog[addr]
     return new, takes
@@ -397,10 +397,8 @@ def group_outputs(dsk: Mapping[str, Any], keys: Collection[str], nonce: str | No
     Otherwise each group waits for every program, as the outputs did.
 
     `nonce`: a fresh run id for this submission (a caller that builds the graph for one
-    submission, as `step.compute` does): where every program became its group, they run
-    under it and their keys end with it, and the step's ``run_`` task is dropped (no
-    round trip for the nonce before the programs start, and none for the other workers
-    to fetch it). `inbox`: the id of the client's inbox (`inbox.ClientInbox`) such
+    submission, as `step.compute` does): where every program became its group, their
+    keys end with it (each call's graph is its own). `inbox`: the id of the client's inbox (`inbox.ClientInbox`) such
     program tasks push their outputs to as they end (besides returning them).
 
     Returns the new tasks, per new task the key whose placement and priority it takes,
@@ -457,11 +455,6 @@ def group_outputs(dsk: Mapping[str, Any], keys: Collection[str], nonce: str | No
                 new[gk] = Task(gk, _outputs_of, len(refs), len(mine),
                                *(TaskRef(r) for r in refs), *flat)
                 takes[gk] = mine[0]
-    # a nonce task no task reads any more
-    left = [t for k, t in dsk.items() if k not in fused and k not in where and isinstance(t, Task)]
-    read = {str(d) for t in [*left, *new.values()] for d in t.dependencies}
-    fused.update(k for k, t in dsk.items() if isinstance(t, Task) and t.func is new_nonce
-                 and k not in read)
     return new, takes, where, fused
 
 
@@ -484,6 +477,9 @@ def run_gathered(task: str, k: int, prog: Program, nonce: str, /, *rest: Any,
     finally:
         rt.end_task(task)
     return outputs
+
+
+NONCE_TAKERS.append(run_gathered)
 
 
 def _leading(pp: ProgramPlan) -> int:

@@ -8,9 +8,11 @@ interpreter, its waits and its outbox), the handlers other workers and the sched
 (a run's status, a lost peer), and the log of what ran here.
 
 A *run* is one execution of a step's programs. Its id is the step's token plus the
-nonce its programs read (a tiny task of the step, computed once per submission of the
-step's graph): computing a step again runs its programs again under a new nonce, so
-the runs never mix, even when Dask reuses every key.
+nonce its program tasks carry (a `RunNonce`): dagdiff's scheduler plugin stamps a fresh
+one on every program task as the task is submitted or run again (`stamp_run_nonces`), the
+same one on the programs of one step, so computing a step again runs its programs under
+a new nonce and the runs never mix, even when Dask reuses every key. No task makes it and
+no worker waits for it.
 """
 from __future__ import annotations
 
@@ -40,7 +42,9 @@ from .transport import STATUS_OP, WRITE_TIMEOUT, DecodeError, Transport
 
 
 __all__ = ["EXTENSION", "DirectRuntime", "install", "runtime",
-           "run_program", "run_programs", "new_nonce", "compute_log",
+           "run_program", "run_programs", "new_nonce", "RunNonce", "stamp_run_nonces",
+           "NONCE_TAKERS",
+           "compute_log",
            "STALE_AFTER", "PEER_LOST_OP"]
 
 
@@ -61,8 +65,37 @@ STALE_AFTER = 3600.0
 
 
 def new_nonce() -> str:
-    """A fresh id for one run of a step (the value of the step's ``run_`` task)."""
+    """A fresh id for one run of a step."""
     return uuid.uuid4().hex[:16]
+
+
+class RunNonce(str):
+    """A program task's run id as its graph carries it: the scheduler replaces it with a
+    fresh one each time the task is submitted or run again (`stamp_run_nonces`); without
+    dagdiff's scheduler plugin the id made with the graph is used."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> Any:
+        return (RunNonce, (str(self),))
+
+
+#: the functions of program tasks, whose `RunNonce` the scheduler stamps (`graph` adds the
+#: program task that hands back its outputs)
+NONCE_TAKERS: list[Any] = []
+
+
+def stamp_run_nonces(task: Any, fresh: dict[str, "RunNonce"]) -> Any:
+    """`task` (a ``dask._task_spec.Task``) with each `RunNonce` among its arguments
+    replaced by a fresh one, the same for equal ones within `fresh` (the table of one
+    scheduler stimulus: a step's programs, or a window's, carry one nonce and are
+    submitted together), or None when it carries none."""
+    args = task.args
+    if not any(type(a) is RunNonce for a in args):
+        return None
+    new = tuple(fresh.setdefault(a, RunNonce(new_nonce())) if type(a) is RunNonce else a
+                for a in args)
+    return type(task)(task.key, task.func, *new, **task.kwargs)
 
 
 class DirectRuntime:
@@ -514,6 +547,9 @@ def run_programs(task: str, n: int, nonce: str, /, *rest: Any,
     finally:
         rt.end_task(task)
     return ProgramResult(task, out)
+
+
+NONCE_TAKERS.extend((run_program, run_programs))
 
 
 def _nonce_of(run: str) -> str:
