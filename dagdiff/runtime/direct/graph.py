@@ -398,8 +398,9 @@ def group_outputs(dsk: Mapping[str, Any], keys: Collection[str], nonce: str | No
 
     `nonce`: a fresh run id for this submission (a caller that builds the graph for one
     submission, as `step.compute` does): where every program became its group, their
-    keys end with it (each call's graph is its own). `inbox`: the id of the client's inbox (`inbox.ClientInbox`) such
-    program tasks push their outputs to as they end (besides returning them).
+    keys end with it (each call's graph is its own). `inbox`: the id of the client's
+    inbox (`inbox.ClientInbox`) such program tasks push their outputs to as they end
+    (besides returning them).
 
     Returns the new tasks, per new task the key whose placement and priority it takes,
     per grouped key ``(group key, index)``, and the program keys the groups replace;
