@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from distributed import Client
+from distributed import Client, wait
 
 import dagdiff as dd
 from dagdiff.runtime.direct.inbox import inbox_for
@@ -201,6 +201,57 @@ def test_a_trainer_step_loop_takes_its_losses_by_push(client2: Client) -> None:
         if key not in box._wanted:
             break
     assert key not in box._wanted and key not in box._values
+
+
+def _spy_pushes(dask_worker: Any, stop: bool = False) -> list[tuple[str, bool]]:
+    """On a worker: note (key, noted) of every `push_all` of its inbox ends from now on
+    (the pushes noted so far, and the spy removed, with `stop`)."""
+    ends = dask_worker.extensions["dagdiff"].inboxes
+    if stop:
+        ends.__dict__.pop("push_all", None)
+        return list(ends.__dict__.pop("_test_pushes", []))
+    seen = ends._test_pushes = []
+    push_all = type(ends).push_all.__get__(ends)
+
+    def spy(key: str, value: Any, note: bool = False) -> int:
+        seen.append((key, note))
+        return push_all(key, value, note)
+
+    ends.push_all = spy
+    return []
+
+
+def test_a_trainer_steps_loss_is_pushed_by_its_program(client2: Client) -> None:
+    """The loss of `trainer.step` is pushed by the program on its worker as soon as the
+    run succeeded (once per step), and its output task, which runs later, does not push
+    it again; every loss comes by push and equals optax's."""
+    import optax
+
+    from tests.models import optax_reference
+
+    loss_fn, (params, x, t) = make_loss(2), data(2)
+    opt = optax.sgd(0.05)
+    trainer = dd.Trainer(loss_fn, opt, microbatches=2, schedule="1f1b", client=client2)
+    box = _ready_inbox(client2, dd.value_and_grad(loss_fn, microbatches=2, schedule="1f1b"),
+                       (params, x, t))
+    batches = [(x * (1.0 + i / 4), t) for i in range(4)]
+    state = trainer.init(params)
+    before = dict(box.stats())
+    client2.run(_spy_pushes)
+    held, losses = [], []
+    try:
+        for batch in batches:
+            state, loss = trainer.step(state, *batch)
+            held.append(loss)
+            losses.append(float(loss.result()))
+        with client2.as_current():
+            wait(held)                         # every loss task ran (and would have pushed)
+    finally:
+        pushes = [p for ps in client2.run(_spy_pushes, stop=True).values() for p in ps]
+    assert box.stats()["pushed"] - before["pushed"] == len(batches)
+    assert sorted(pushes) == sorted((str(f.key), True) for f in held), pushes
+    np.testing.assert_allclose(losses, optax_reference(loss_fn, opt, params, batches)[1],
+                               rtol=1e-5)
 
 
 def test_a_push_on_the_event_loop_never_blocks_on_a_client_that_does_not_read() -> None:

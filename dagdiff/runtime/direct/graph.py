@@ -213,7 +213,7 @@ def chain_step(dsk: dict[str, Any], sources: Mapping[str, Source], keys: Collect
                 if src is not None and src.address == prog.address:
                     args[i] = LocalImport(str(a.key), src.serial, src.export)
                     moved.append(a)
-        dsk[k] = Task(k, run_program, prog, t.args[1], *args, serial=serial)
+        dsk[k] = Task(k, run_program, prog, t.args[1], *args, **{**t.kwargs, "serial": serial})
         if moved:
             pick = dsk[picks[k]]
             dsk[picks[k]] = Task(picks[k], _pick, *pick.args, *moved)
@@ -517,10 +517,13 @@ async def _pick(result: ProgramResult, key: str, *keep: Any) -> Any:
 
 async def _output_pushed(key: str, here: int, n: int, *rest: Any, **kwargs: Any) -> Any:
     """`_output` (task `key`) whose value also goes to every client inbox open on its
-    worker (`push_output`: a Trainer step's loss, which the client waits for)."""
+    worker (`push_output`: a Trainer step's loss, which the client waits for), unless
+    its program pushed it already."""
     value = await _output(here, n, *rest, **kwargs)
     try:
-        runtime().inboxes.push_all(key, value)
+        inboxes = runtime().inboxes
+        if not inboxes.pushed_before(key):
+            inboxes.push_all(key, value)
     except Exception:                           # noqa: BLE001 - the client gathers it
         log.exception("dagdiff: pushing %s failed", key)
     return value
@@ -528,12 +531,25 @@ async def _output_pushed(key: str, here: int, n: int, *rest: Any, **kwargs: Any)
 
 def push_output(dsk: dict[str, Any], key: str) -> bool:
     """Make output task `key` of a rewritten step (`dsk`, changed in place) push its
-    value to the client inboxes open on its worker as it ends; False if `key` is not a
-    plain output task."""
+    value to the client inboxes open on its worker; False if `key` is not a plain output
+    task. Where its own worker's program result gives it alone (no other task's value,
+    no keyword), that program pushes it as soon as its run succeeded (`run_program`'s
+    `push`: a run succeeds on every worker or on none), a scheduler hop and a fetch of
+    the other programs' results before the output task would; the task then pushes only
+    what its program did not."""
     t = dsk.get(key)
     if not (isinstance(t, Task) and t.func is _output):
         return False
     dsk[key] = Task(key, _output_pushed, key, *t.args, **t.kwargs)
+    here, n = t.args[0], t.args[1]
+    refs, func, args = t.args[2:2 + n], t.args[2 + n], t.args[3 + n:]
+    own = {str(r.key) for r in refs}
+    if here < 0 or t.kwargs or set(map(str, t.dependencies)) - own:
+        return True
+    pt = dsk.get(str(refs[here].key))
+    if isinstance(pt, Task) and pt.func is run_program and "push" not in pt.kwargs:
+        dsk[pt.key] = Task(pt.key, run_program, *pt.args,
+                           **{**pt.kwargs, "push": (key, func, tuple(args))})
     return True
 
 

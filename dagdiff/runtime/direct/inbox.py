@@ -24,6 +24,7 @@ turns pushes off.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import socket
 import threading
@@ -316,6 +317,8 @@ class InboxEnds:
         #: inbox id -> (its socket, the lock its writers take, the comm, frames' context,
         #: the event loop and the future its handler waits on until the inbox closes)
         self._ends: dict[str, tuple[Any, ...]] = {}
+        #: keys a program pushed already (`push_all(note=True)`), for their output task
+        self._noted: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     async def accept(self, comm: Any, inbox: str = "") -> Any:
         """Handler of `INBOX_OP`: take the comm's socket and answer `ACK`."""
@@ -407,13 +410,25 @@ class InboxEnds:
             return False
         return pushed
 
-    def push_all(self, key: str, value: Any) -> int:
+    def push_all(self, key: str, value: Any, note: bool = False) -> int:
         """`push` `value` to every inbox open here (whichever client waits for `key`
-        takes it; the others drop it), never blocking (called on the event loop): how
-        many took it."""
+        takes it; the others drop it), never blocking (called on the event loop, or by a
+        program that must not wait on a client): how many took it. `note`: remember that
+        `key` went out (`pushed_before`), when any inbox took it."""
         with self._lock:
             inboxes = list(self._ends)
-        return sum(self.push(inbox, key, value, wait=False) for inbox in inboxes)
+        took = sum(self.push(inbox, key, value, wait=False) for inbox in inboxes)
+        if note and took:
+            with self._lock:
+                self._noted[key] = None
+                while len(self._noted) > 4 * self.KEEP:
+                    self._noted.popitem(last=False)
+        return took
+
+    def pushed_before(self, key: str) -> bool:
+        """Whether a program pushed `key` already (`push_all(note=True)`); forgets it."""
+        with self._lock:
+            return self._noted.pop(key, 0) is None
 
     def _drop(self, inbox: str) -> None:
         """Close inbox `inbox` here (call with the lock): its handler ends."""

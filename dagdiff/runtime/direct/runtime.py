@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import logging
 import threading
 import time
 import uuid
@@ -36,7 +37,7 @@ from ..live import ActionReporter
 from .inbox import INBOX_OP, InboxEnds
 from .messages import End, Failure, Message
 from .program import Program
-from .results import LocalImport, ProgramResult
+from .results import Export, LocalImport, ProgramResult
 from .run import ProgramRun
 from .transport import STATUS_OP, WRITE_TIMEOUT, DecodeError, Transport
 
@@ -47,6 +48,8 @@ __all__ = ["EXTENSION", "DirectRuntime", "install", "runtime",
            "compute_log",
            "STALE_AFTER", "PEER_LOST_OP"]
 
+
+log = logging.getLogger(__name__)
 
 EXTENSION = "dagdiff"
 #: the worker handler the scheduler calls when it removed a worker (dagdiff's scheduler
@@ -419,6 +422,20 @@ class DirectRuntime:
             return "gone", _chain(e)
 
     # --- what ran here ------------------------------------------------------------------
+    def push_output(self, spec: tuple[str, Any, tuple[Any, ...]], result: ProgramResult
+                    ) -> None:
+        """Push output `spec` = (key, function, arguments; `Export` arguments read from
+        `result`) to the client inboxes open here, without waiting on any client; noted
+        so its output task does not push it again. A failure is logged (the client then
+        takes the output task's push, or gathers it)."""
+        key, func, args = spec
+        try:
+            value = func(*(result.value(a.key) if isinstance(a, Export) else a
+                           for a in args))
+            self.inboxes.push_all(key, value, note=True)
+        except Exception:                           # noqa: BLE001 - the output task pushes
+            log.exception("dagdiff: the program's push of %s failed", key)
+
     def compute_log(self, keys: Any = None) -> dict[str, Any]:
         """What ran on this worker, in the scheduler's clock (one offset for all, so their
         order on a worker is exactly the order they ran in): ``"programs"``: per program
@@ -502,8 +519,8 @@ class _Statics(dict):  # type: ignore[type-arg]
         return value
 
 
-def run_program(prog: Program, nonce: str, /, *static_values: Any, serial: str = ""
-                ) -> ProgramResult:
+def run_program(prog: Program, nonce: str, /, *static_values: Any, serial: str = "",
+                push: tuple[str, Any, tuple[Any, ...]] | None = None) -> ProgramResult:
     """A program task: run a worker's actions in order; return the values ordinary
     tasks read (a `ProgramResult`: a stub when sent to another worker).
 
@@ -512,10 +529,18 @@ def run_program(prog: Program, nonce: str, /, *static_values: Any, serial: str =
     local use, queued for each other worker that reads it. The first failure stops the
     program; the consumers of its remaining actions on other workers get the error at
     once, and the task fails with it. A program returns only when every program of its
-    run succeeded (the closing exchange)."""
+    run succeeded (the closing exchange).
+
+    `push`: (key, function, arguments) of an output its result gives alone (a Trainer
+    step's loss: `graph.push_output`), pushed to the client inboxes open here as soon as
+    the run succeeded, before the output's own task (which waits for the other programs'
+    results) runs."""
     rt = runtime()
     try:
-        return rt.run(prog, nonce, static_values, serial)
+        result = rt.run(prog, nonce, static_values, serial)
+        if push is not None:
+            rt.push_output(push, result)
+        return result
     finally:
         rt.end_task(prog.key)
 
