@@ -232,8 +232,10 @@ def ensure_colocation(client: Any) -> bool:
         for plugin in (ColocateVJP(), LiveActions(), LoadDagdiff()):
             client.register_plugin(plugin, name=plugin.name)
     except Exception as e:  # e.g. dagdiff not installed where the scheduler runs
-        log.warning("dagdiff: could not register the VJP colocation plugin (%s); VJP tasks "
-                    "may rematerialize pullbacks (see dd.remat_count)", e)
+        log.warning("dagdiff: could not register dagdiff's scheduler plugin (%s): VJP tasks "
+                    "may rematerialize pullbacks (see dd.remat_count), and a direct-dispatch "
+                    "step's Delayed computed a second time raises (call the step again); "
+                    "install dagdiff where the scheduler runs", e)
         return False
     _registered.add(client)
     return True
