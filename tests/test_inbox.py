@@ -162,6 +162,19 @@ def test_a_closed_clients_inbox_is_dropped_by_the_workers(client2: Client) -> No
         time.sleep(0.1)
 
 
+def _trainer_job(client: Client, n: int) -> tuple[Any, ...]:
+    """A two-stage model's loss, sgd, its parameters, a `dd.Trainer` of them on `client`,
+    the client's inbox (open to both workers) and `n` batches."""
+    import optax
+
+    loss_fn, (params, x, t) = make_loss(2), data(2)
+    opt = optax.sgd(0.05)
+    trainer = dd.Trainer(loss_fn, opt, microbatches=2, schedule="1f1b", client=client)
+    box = _ready_inbox(client, dd.value_and_grad(loss_fn, microbatches=2, schedule="1f1b"),
+                       (params, x, t))
+    return loss_fn, opt, params, trainer, box, [(x * (1.0 + i / 4), t) for i in range(n)]
+
+
 def test_a_trainer_step_loop_takes_its_losses_by_push(client2: Client) -> None:
     """`state, loss = trainer.step(...); loss.result()` in a loop: once the inbox is
     open, each loss comes by push (asked twice: the same value, no new wait); the
@@ -169,16 +182,9 @@ def test_a_trainer_step_loop_takes_its_losses_by_push(client2: Client) -> None:
     leaves nothing kept for it in the inbox once the states holding it are gone."""
     import gc
 
-    import optax
-
     from tests.models import optax_reference
 
-    loss_fn, (params, x, t) = make_loss(2), data(2)
-    opt = optax.sgd(0.05)
-    trainer = dd.Trainer(loss_fn, opt, microbatches=2, schedule="1f1b", client=client2)
-    box = _ready_inbox(client2, dd.value_and_grad(loss_fn, microbatches=2, schedule="1f1b"),
-                       (params, x, t))
-    batches = [(x * (1.0 + i / 4), t) for i in range(5)]
+    loss_fn, opt, params, trainer, box, batches = _trainer_job(client2, 5)
     state = trainer.init(params)
     before = dict(box.stats())
     losses = []
@@ -225,16 +231,9 @@ def test_a_trainer_steps_loss_is_pushed_by_its_program(client2: Client) -> None:
     """The loss of `trainer.step` is pushed by the program on its worker as soon as the
     run succeeded (once per step), and its output task, which runs later, does not push
     it again; every loss comes by push and equals optax's."""
-    import optax
-
     from tests.models import optax_reference
 
-    loss_fn, (params, x, t) = make_loss(2), data(2)
-    opt = optax.sgd(0.05)
-    trainer = dd.Trainer(loss_fn, opt, microbatches=2, schedule="1f1b", client=client2)
-    box = _ready_inbox(client2, dd.value_and_grad(loss_fn, microbatches=2, schedule="1f1b"),
-                       (params, x, t))
-    batches = [(x * (1.0 + i / 4), t) for i in range(4)]
+    loss_fn, opt, params, trainer, box, batches = _trainer_job(client2, 4)
     state = trainer.init(params)
     before = dict(box.stats())
     client2.run(_spy_pushes)

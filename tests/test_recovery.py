@@ -25,13 +25,17 @@ KEY = jax.random.PRNGKey(3)
 WIDTH = 64
 
 
-def loss_fn(params: Any, x: Any, t: Any) -> Any:
+def _staged_loss(params: Any, x: Any, t: Any, last: Any) -> Any:
     h = x
     for i, p in enumerate(params):
         with dd.stage(i // 2):
             h = M.dense(p, h)
     with dd.stage(1):
-        return M.mse(h, t)
+        return M.mse(last(h), t)
+
+
+def loss_fn(params: Any, x: Any, t: Any) -> Any:
+    return _staged_loss(params, x, t, lambda h: h)
 
 
 def _slow_fwd(x: Any) -> Any:
@@ -47,12 +51,7 @@ slow = dd.custom_layer(_slow_fwd, lambda res, ct: (np.asarray(ct),), name="slow"
 
 def slow_loss_fn(params: Any, x: Any, t: Any) -> Any:
     """`loss_fn`'s values, its last stage slowed by `slow`."""
-    h = x
-    for i, p in enumerate(params):
-        with dd.stage(i // 2):
-            h = M.dense(p, h)
-    with dd.stage(1):
-        return M.mse(slow(h), t)
+    return _staged_loss(params, x, t, slow)
 
 
 def make_data(steps: int, batch: int = 32) -> tuple[Any, list[tuple[Any, Any]]]:
