@@ -15,9 +15,9 @@ stamps), never Dask tasks.
 The cache holds `TEMPLATE_CACHE_SIZE` templates per process (least recently used out);
 a template holds no batch value and no resident parameter, only keys and the programs
 (the model's array constants, and parameters with ``resident=False``, are part of it).
-Its key covers everything the graph depends on besides the bound parts, so nothing has to invalidate it: a worker
-replaced (new addresses), other options or config give another key. Dask config
-``dagdiff.step-templates: false`` turns templates off.
+Its key covers everything the graph depends on besides the bound parts, so nothing has to
+invalidate it: a worker replaced (new addresses), other options or config give another
+key. Dask config ``dagdiff.step-templates: false`` turns templates off.
 """
 from __future__ import annotations
 

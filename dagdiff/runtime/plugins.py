@@ -140,7 +140,6 @@ class ColocateVJP(SchedulerPlugin):
                 else:
                     unpin_task(dts)
 
-
     def _stamp(self, key: Any, stimulus: Any) -> None:
         """A program task about to run (again): a fresh run id in place of the one its
         graph carries, shared by the programs of its step, which one stimulus (a graph's

@@ -428,7 +428,10 @@ class InboxEnds:
     def pushed_before(self, key: str) -> bool:
         """Whether a program pushed `key` already (`push_all(note=True)`); forgets it."""
         with self._lock:
-            return self._noted.pop(key, 0) is None
+            if key not in self._noted:
+                return False
+            del self._noted[key]
+            return True
 
     def _drop(self, inbox: str) -> None:
         """Close inbox `inbox` here (call with the lock): its handler ends."""
