@@ -427,15 +427,15 @@ def test_a_failed_trainer_step_fails_every_stage_and_the_next_step(client2: Any)
 
 
 def _spy_graphs(monkeypatch: Any, module: Any) -> list[dict[str, Any]]:
-    """Every graph `module` turns into Delayed outputs (its `to_delayed`), in order."""
+    """Every graph `module` submits (its `submit`), in order."""
     graphs: list[dict[str, Any]] = []
-    real = module.to_delayed
+    real = module.submit
 
-    def to_delayed(graph: Any, keys: Any) -> Any:
+    def submit(client: Any, graph: Any, keys: Any) -> Any:
         graphs.append(dict(graph))
-        return real(graph, keys)
+        return real(client, graph, keys)
 
-    monkeypatch.setattr(module, "to_delayed", to_delayed)
+    monkeypatch.setattr(module, "submit", submit)
     return graphs
 
 
@@ -635,14 +635,14 @@ def test_a_gathered_step_failing_on_one_worker_gives_no_outputs_of_the_other(
     stage 1 fails after stage 0 ran all its actions, stage 0's outputs fail too (its
     program's closing exchange), not hand back gradients of a step that failed."""
     seen: list[Any] = []
-    real = client2.compute
+    real = client2.get
 
-    def compute(colls: Any, **kwargs: Any) -> Any:
-        futures = real(colls, **{**kwargs, "sync": False})
+    def get(dsk: Any, keys: Any, **kwargs: Any) -> Any:
+        futures = real(dsk, keys, **{**kwargs, "sync": False})
         seen.append(futures)
-        return client2.gather(futures) if kwargs.get("sync") else futures
+        return client2.gather(futures) if kwargs.get("sync", True) else futures
 
-    monkeypatch.setattr(client2, "compute", compute)
+    monkeypatch.setattr(client2, "get", get)
     params = [jnp.eye(8), jnp.eye(8)]
     step = dd.value_and_grad(fragile_loss, microbatches=2, schedule="1f1b")
     with pytest.raises(Exception, match="fragile: input too large"):

@@ -38,7 +38,7 @@ from ..core.tracer import Trace, Traced, home_stages, is_array
 from ..errors import LayerShapeError
 from ..lowering import template as templates
 from ..lowering.collection import DelayedTree, needs_collection
-from ..lowering.graph import OutKey, assemble, pinned, to_delayed
+from ..lowering.graph import OutKey, assemble, pinned, submit, to_delayed
 from ..lowering.lower import lower, select, trace_token
 from ..lowering.pipeline import stage_workers
 from ..runtime.direct.inbox import inbox_for, pushes_enabled
@@ -59,7 +59,7 @@ __all__ = [
     "chain_steps", "Source", "window_graph", "WindowError", "gather_graph", "push_loss",
     "without_gc", "freeze_heap",
     # what the Trainer needs from the layers below, through this package
-    "OutKey", "to_delayed", "stage_workers", "pinned", "templates", "inbox_for",
+    "OutKey", "to_delayed", "submit", "stage_workers", "pinned", "templates", "inbox_for",
     "pushes_enabled",
 ]
 
@@ -129,7 +129,7 @@ class Build:
         if box is not None:
             box.expect(wanted)
         try:
-            futures = client.compute(to_delayed(graph, [OutKey(k) for k in wanted]))
+            futures = submit(client, graph, wanted)
         except BaseException:
             if box is not None:
                 box.forget(wanted)

@@ -33,6 +33,7 @@ from ..build import (
     freeze_heap,
     inbox_for,
     stage_workers,
+    submit,
     to_delayed,
     trace_model,
 )
@@ -361,10 +362,9 @@ class Trainer(StepGraph, Restoring):
         Future on a cluster; a concrete scalar on the local scheduler)."""
         pre = self._prepare(state, batch)
         freeze_heap(self.client)
-        outs = to_delayed(pre.graph, pre.out_keys)
         box = None
         if self.client is None:
-            values = dask.compute(*outs, scheduler="threads")
+            values = dask.compute(*to_delayed(pre.graph, pre.out_keys), scheduler="threads")
         else:
             # the loss is pushed to the client's inbox where it is open to every worker
             box = inbox_for(self.client) if pre.direct else None
@@ -372,7 +372,7 @@ class Trainer(StepGraph, Restoring):
                 box.expect([str(pre.out_keys[0])])
             else:
                 box = None
-            values = self.client.compute(outs)
+            values = submit(self.client, pre.graph, pre.out_keys)
         lineage = self._lineage(pre.state, batch)
         loss = values[0]
         if self.client is not None:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import dask
 
-from ..build import OutKey, WindowError, freeze_heap, to_delayed, window_graph
+from ..build import WindowError, freeze_heap, submit, window_graph
 from ..runtime.taskspec import TaskRef
 from .recovery import StepLoss, WindowLoss
 from .state import TrainState
@@ -68,8 +68,7 @@ def submit_window(trainer: "Trainer", state: TrainState, batches: Sequence[Seque
     for old, key in renamed.items():          # the next step reads the state in place
         if old in tr._sources:
             tr._sources[key] = tr._sources[old]
-    values = tr.client.compute(to_delayed(graph, [OutKey(renamed.get(str(k), str(k)))
-                                                  for k in last.out_keys]))
+    values = submit(tr.client, graph, [renamed.get(str(k), str(k)) for k in last.out_keys])
     out: list[tuple[TrainState, Any]] = []
     got: list[Any] = []                       # the window's losses, once one step has them
     for i, pre in enumerate(pres):
@@ -116,7 +115,7 @@ def _each(tr: "Trainer", pres: list["Prepared"], lineages: list[Any]
     out = []
     for pre, lineage in zip(pres, lineages):
         freeze_heap(tr.client)
-        values = tr.client.compute(to_delayed(pre.graph, pre.out_keys))
+        values = submit(tr.client, pre.graph, pre.out_keys)
         loss = StepLoss(values[0].key, tr.client, pre.state.step, pre.workers)
         out.append((tr._finish(pre, loss, values[1:], lineage), loss))
     return out
