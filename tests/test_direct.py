@@ -120,6 +120,41 @@ def test_a_step_is_one_program_per_worker_in_schedule_order(client2: Any) -> Non
         assert [g for i, g in enumerate(got) if g not in got[:i]] == want, prog.where
 
 
+@pytest.mark.distributed
+def test_a_parameter_the_loss_does_not_use_gets_zeros_inside_a_program(client2: Any) -> None:
+    """Regression: a leaf the loss never reads (a head left out of this loss) had its
+    zero gradient summed over the microbatches by a chain of m tasks with no stage, each
+    a Dask round trip outside the programs (a zero-time step went from ~9 to ~28 ms).
+    Its zeros are now one action of the loss's program; values equal jax's."""
+    loss_fn = make_loss(2)
+    params, x, t = data(2, batch=16)
+    params = [*params, {"w": jnp.ones((8, 3)), "b": jnp.zeros(3)}]     # unused by loss_fn
+    with client2.as_current():
+        step = dd.value_and_grad(loss_fn, microbatches=4, schedule="1f1b")
+        loss, grads = step(params, x, t)
+        got_l, got_g = client2.compute([loss, grads], sync=True)
+    assert_matches_jax(loss_fn, (params, x, t), got_l, got_g)
+    np.testing.assert_array_equal(got_g[2]["w"], np.zeros((8, 3)))
+    dsk = dict(loss.__dask_graph__())
+    progs = {k for k, v in dsk.items() if getattr(v, "func", None) is run_program}
+    assert len(progs) == 2
+    # every task is a program or an output waiting for both (no accumulation outside)
+    for k, v in dsk.items():
+        assert k in progs or v.dependencies == progs, (k, v.dependencies)
+    loss_l, grads_l = step.compute(params, x, t, client=client2)
+    assert_matches_jax(loss_fn, (params, x, t), loss_l, grads_l)
+    # a Trainer leaves such a leaf as its optimizer does (adam: unchanged)
+    import optax
+
+    from tests.models import optax_reference
+    tr = dd.Trainer(loss_fn, optax.adam(1e-2), microbatches=4, schedule="1f1b",
+                    client=client2)
+    state, losses = tr.fit([(x, t)] * 3, params=params, progress=False)
+    want_p, want_l = optax_reference(loss_fn, optax.adam(1e-2), params, [(x, t)] * 3)
+    np.testing.assert_allclose(losses, want_l, rtol=1e-5)
+    close(tr.params(state), want_p)
+
+
 def _explode_fwd(w: Any, x: Any) -> Any:
     x = np.asarray(x)
     if np.any(x != 0):      # shapes are inferred on zeros: fail on real data only

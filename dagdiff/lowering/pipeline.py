@@ -15,12 +15,13 @@ from ..core.dag import topological
 from ..core.keys import make_key
 from ..core.tracer import Trace, Traced
 from ..errors import CycleError, PlacementError, ScheduleError
-from ..runtime.tasks import acc_task, host_view, mean_task, select_task, slice_task
+from ..runtime.tasks import (acc_task, host_view, mean_task, select_task, slice_task,
+                             sum_task)
 from ..runtime.taskspec import DataNode, Task, TaskRef
 from ..schedules import Schedule
 from ..schedules.program import compile_schedule
 from ..schedules.memory import back_to_back
-from .lower import Lowered, lower, select
+from .lower import GradSum, Lowered, lower, select
 
 
 __all__ = ["PipelineGraph", "lower_pipeline", "order_actions", "stage_workers",
@@ -96,6 +97,7 @@ def lower_pipeline(trace: Trace, plan: BackwardPlan, token: str, *, microbatches
         return acc_key(st, seq[i - 1]) if i else None
 
     last_acc: dict[Any, str] = {}      # stage -> accumulator key of its last microbatch
+    unused: dict[int, GradSum] = {}    # param node -> its (zero) gradient's record
     acc_pos: dict[int, int] = {}       # param node -> position in its stage's accumulator
     acc_of: dict[int, Any] = {}        # param node -> stage of its accumulator
     for mb in range(m):
@@ -114,7 +116,10 @@ def lower_pipeline(trace: Trace, plan: BackwardPlan, token: str, *, microbatches
         # previous microbatch's sums (one accumulator alive per stage, few small tasks)
         by_stage: dict[Any, list[int]] = defaultdict(list)
         for pnode, gs in low.grad_sums.items():
-            by_stage[gs.stage].append(pnode)
+            if gs.srcs:
+                by_stage[gs.stage].append(pnode)
+            else:       # a leaf the loss does not use: its gradient is zeros, once
+                unused[pnode] = gs
         for st, pnodes in by_stage.items():
             layout, vals = [], []
             dev = None
@@ -146,6 +151,17 @@ def lower_pipeline(trace: Trace, plan: BackwardPlan, token: str, *, microbatches
         node = trace.nodes[pn]
         k = make_key("grad", node.path or node.name, pn, token)
         dsk[k] = Task(k, select_task, acc_pos[pn], TaskRef(last_acc[st]))
+        stage_of[k] = st
+        grad_keys[pn] = k
+    for pn, gs in unused.items():
+        # not a sum over microbatches (m chained tasks with no stage, outside the programs:
+        # one Dask round trip each), but zeros made once on the leaf's stage, else the
+        # loss's: an action of that stage's program
+        node = trace.nodes[pn]
+        k = make_key("grad", node.path or node.name, pn, token)
+        st = home.get(pn)
+        st = trace.nodes[loss.node].stage if st is None else st
+        dsk[k] = Task(k, sum_task, (), gs.zeros, (devices or {}).get(st))
         stage_of[k] = st
         grad_keys[pn] = k
     lnode = trace.nodes[loss.node]
