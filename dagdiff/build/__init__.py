@@ -136,6 +136,8 @@ class Build:
             raise
         if box is not None:
             got = box.take(wanted, futures)    # the programs' pushes, or None: gather
+            if got is not None:
+                box.trail(futures)             # their tasks end a moment later
         if got is None:
             got = dict(zip(wanted, client.gather(futures)))
         values = {k: got[src] if i is None else got[src][i] for k, (src, i) in where.items()}

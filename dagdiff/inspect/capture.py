@@ -16,13 +16,17 @@ from ..cluster.info import current_client, slot_names
 from ..errors import ArgumentError
 from ..runtime import memory
 from ..runtime.direct import compute_log
+from ..runtime.direct.inbox import inbox_for
 from ..runtime.internals import scheduler_delay
 from ..runtime.live import is_live_action
 from ..runtime.memory import MemorySample
 from .record import Recording, TaskRecord, classify
 
 
-__all__ = ["record"]
+__all__ = ["record", "SETTLE_FOR"]
+
+#: seconds `record` waits at its end for steps whose values came by push to end
+SETTLE_FOR = 2.0
 
 
 @contextlib.contextmanager
@@ -44,7 +48,10 @@ def record(client: Any = None) -> Iterator[Recording]:
         _sampling(c, memory.start)
         try:
             with get_task_stream(c) as ts:
-                yield rec
+                try:
+                    yield rec
+                finally:
+                    _settle(c)
         finally:
             samples = _sampling(c, _stop_sampling)
         names = slot_names(c)
@@ -80,6 +87,14 @@ def record(client: Any = None) -> Iterator[Recording]:
         rec.tasks.append(TaskRecord(str(key), th, t - base, u - base, *classify(key)))
     # samples carry wall-clock times, the tasks perf_counter ones
     rec.memory = {"local": _shifted(samples, base + time.time() - time.perf_counter())}
+
+
+def _settle(client: Any) -> None:
+    """Wait (at most `SETTLE_FOR` s) for the tasks of steps whose values the client took
+    by push to end: their programs are in the task stream only once they did."""
+    box = inbox_for(client, make=False)
+    if box is not None:
+        box.settle(SETTLE_FOR)
 
 
 def _stop_sampling(dask_worker: Any = None) -> list[MemorySample]:

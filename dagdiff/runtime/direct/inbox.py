@@ -57,6 +57,8 @@ WATCH_EVERY = 1.0
 GRACE = 0.05
 #: what a worker pushes for an output it does not send (too large): gather it
 _REFUSED = object()
+#: seconds a step whose outputs came by push keeps its futures for their tasks' ends
+TRAIL_FOR = 5.0
 
 
 def pushes_enabled() -> bool:
@@ -91,6 +93,9 @@ class ClientInbox:
         self._watching = False              # a thread closes the inbox with its client
         #: steps whose outputs came by push, and steps that gathered them instead
         self.pushed = self.gathered = 0
+        #: futures of steps whose outputs came by push, held until their tasks end
+        #: (`trail`): id -> (future, when to let go)
+        self._trailing: dict[int, tuple[Any, float]] = {}
 
     # --- connections --------------------------------------------------------------------
     def ready(self, addresses: Iterable[str]) -> bool:
@@ -260,6 +265,44 @@ class ClientInbox:
         with self._cond:
             self._cond.notify_all()
 
+    # --- the tasks behind pushed values -------------------------------------------------
+    def trail(self, futures: Iterable[Any]) -> None:
+        """Hold `futures` (a step whose values came by push, before its tasks ended)
+        until they finish, for at most `TRAIL_FOR` s: a future released while its task
+        still runs makes the scheduler cancel it, so the task stream (`dd.record`, the
+        dashboard) never hears of that program."""
+        until = time.monotonic() + TRAIL_FOR
+        with self._cond:
+            self._let_go(time.monotonic())
+            for f in futures:
+                if not f.done():
+                    self._trailing[id(f)] = (f, until)
+                    f.add_done_callback(self._trailed)
+
+    def _trailed(self, f: Any) -> None:
+        with self._cond:
+            self._trailing.pop(id(f), None)
+            self._cond.notify_all()
+
+    def _let_go(self, now: float) -> None:
+        for k, (_, until) in list(self._trailing.items()):
+            if until <= now:
+                del self._trailing[k]
+
+    def settle(self, timeout: float = TRAIL_FOR) -> bool:
+        """Wait until the held futures (`trail`) finished, at most `timeout` s: True when
+        they all did."""
+        give_up = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                self._let_go(now)
+                if not self._trailing:
+                    return True
+                if now >= give_up or self._closed:
+                    return False
+                self._cond.wait(min(give_up - now, 0.1))
+
     def stats(self) -> Mapping[str, int]:
         """Steps whose outputs came by push, and steps that gathered them."""
         with self._cond:
@@ -287,15 +330,18 @@ _INBOXES: "weakref.WeakKeyDictionary[Any, ClientInbox]" = weakref.WeakKeyDiction
 _LOCK = threading.Lock()
 
 
-def inbox_for(client: Any) -> ClientInbox | None:
+def inbox_for(client: Any, make: bool = True) -> ClientInbox | None:
     """`client`'s inbox (made once; closed when the client is collected), or None for a
-    client that cannot have one (asynchronous, a stand-in) or when pushes are off."""
+    client that cannot have one (asynchronous, a stand-in), when pushes are off, or (not
+    `make`) when it has none yet."""
     if not pushes_enabled() or getattr(client, "asynchronous", False) \
             or not hasattr(client, "connection_args"):
         return None
     with _LOCK:
         try:
             box = _INBOXES.get(client)
+            if box is None and not make:
+                return None
             if box is None:
                 box = _INBOXES[client] = ClientInbox(client)
                 weakref.finalize(client, box.close)
