@@ -9,10 +9,13 @@ plugin), run each checkout in its own process, in turns (A, B, A, B, ...), on th
   trainer.step    `state, loss = trainer.step(state, x, t); loss.result()` (sgd);
   step.compute    the values on the client.
 Prints each process's medians, then per kind the median over processes and new / old.
+`--model tied`: the first layer's weights applied again on stage 1 (`tied_stage_loss`);
+`--model unused`: one more layer the loss never reads (`unused_leaf_loss`).
 A checkout is a directory holding the `dagdiff` package (e.g. ``git worktree add /tmp/old
 <rev>``), put first on each process's path; the job comes from this script's `common.py`.
 
 Usage: python benchmarks/ab_checkouts.py --old /tmp/old --new . [--rounds 3] [--steps 40]
+       [--model mlp|tied|unused]
 """
 from __future__ import annotations
 
@@ -28,20 +31,22 @@ from typing import Any
 KINDS = ("value_and_grad", "trainer.step", "step.compute")
 
 
-def child(steps: int, microbatches: int) -> dict[str, list[float]]:
+def child(steps: int, microbatches: int, model: str = "mlp") -> dict[str, list[float]]:
     """In a checkout's process: each kind's median step (ms), two reps each."""
     import jax
     import optax
     from distributed import Client, wait
 
     import dagdiff as dd
-    from common import mlp_data, two_stage_loss
+    from common import mlp_data, tied_stage_loss, two_stage_loss, unused_leaf_loss
 
     cluster = dd.local_cluster(2, quiet=True, dashboard_address=None)
     client = Client(cluster)
-    params, data = mlp_data(64, 64, 4)
-    step = dd.value_and_grad(two_stage_loss, microbatches=microbatches, schedule="1f1b")
-    trainer = dd.Trainer(two_stage_loss, optax.sgd(0.01), microbatches=microbatches,
+    loss_fn = {"mlp": two_stage_loss, "tied": tied_stage_loss,
+               "unused": unused_leaf_loss}[model]
+    params, data = mlp_data(64, 64, 5 if model == "unused" else 4)
+    step = dd.value_and_grad(loss_fn, microbatches=microbatches, schedule="1f1b")
+    trainer = dd.Trainer(loss_fn, optax.sgd(0.01), microbatches=microbatches,
                          schedule="1f1b", client=client)
     state = trainer.init(params)
     out: dict[str, list[float]] = {k: [] for k in KINDS}
@@ -83,10 +88,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--model", choices=("mlp", "tied", "unused"), default="mlp")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        print("RESULT " + json.dumps(child(a.steps, a.microbatches)))
+        print("RESULT " + json.dumps(child(a.steps, a.microbatches, a.model)))
         return
     got: dict[str, dict[str, list[float]]] = {"old": {k: [] for k in KINDS},
                                               "new": {k: [] for k in KINDS}}
@@ -98,7 +104,7 @@ def main() -> None:
             run = subprocess.run(
                 [sys.executable, os.path.abspath(__file__),
                  "--old", a.old, "--new", a.new, "--steps", str(a.steps),
-                 "--microbatches", str(a.microbatches), "--child"],
+                 "--microbatches", str(a.microbatches), "--model", a.model, "--child"],
                 env=env, capture_output=True, text=True, timeout=900)
             line = next((x for x in run.stdout.splitlines() if x.startswith("RESULT ")), None)
             if line is None:
@@ -108,7 +114,8 @@ def main() -> None:
                 got[side][k].extend(res[k])
             print(f"round {r + 1} {side}: " + ", ".join(
                 f"{k} {' / '.join(f'{v:.1f}' for v in res[k])} ms" for k in KINDS))
-    print(f"\ntiny job, 1F1B x {a.microbatches}; medians over {a.rounds} processes x 2 reps")
+    print(f"\ntiny job ({a.model}), 1F1B x {a.microbatches}; medians over {a.rounds} "
+          "processes x 2 reps")
     for k in KINDS:
         old, new = statistics.median(got["old"][k]), statistics.median(got["new"][k])
         print(f"  {k:15s} old {old:6.1f} ms  new {new:6.1f} ms  new / old {new / old:.2f}")

@@ -14,12 +14,18 @@ steps of:
 Then the ratio templates / lowering of each, and the client's time in the cyclic garbage
 collector per step. A real job's compute adds to the wait only.
 
+--zero: the job is two zero-time stages instead (`dagdiff.examples.simulated`'s stages
+with no sleep: each multiplies by a scalar parameter), the issue's "fixed cost with
+zero-time stages"; --batch and --width give the input's shape.
+
 --floor: instead, Dask's own cost of a step's graph: in alternating rounds on the same
 cluster, dagdiff's `value_and_grad` step and `Trainer.step` (sgd) against plain Dask graphs
-of the same shape whose tasks do nothing (a nonce task, one "program" task per worker after
-it, then 8 gradient outputs + the loss, each waiting for both programs; for the Trainer,
-the loss + one pick per stage, the programs also reading the previous step's picks), pinned
-to the same workers: what any design that submits a step as this Dask graph pays here.
+of the same shape whose tasks do nothing (one "program" task per worker, then a gradient
+output per parameter leaf + the loss, each waiting for both programs; for the Trainer, the
+loss + one pick per stage, the programs reading the previous step's picks), pinned to the
+same workers and submitted as dagdiff submits (`Client.get`), and one no-op task's round
+trip (`client.submit(f).result()`): what any design that submits a step as this Dask graph
+pays here.
 
 --scale P:M [P:M ...]: instead, per (p, m), on an in-process cluster of p workers with
 zero-time sleep stages (`dagdiff.examples.simulated`, so this measures building and dispatch
@@ -27,6 +33,7 @@ only): the first build (trace + lower + rewrite), its run, and a later step's bu
 the template (new batch), with their ratio; each build's time per p * m.
 Usage: python benchmarks/bench_fixed_cost.py [--width 64] [--batch 64] [--layers 4]
        [--microbatches 8] [--steps 20] [--rounds 3] [--scale 4:16 16:64 64:256] [--floor]
+       [--zero]
 """
 from __future__ import annotations
 
@@ -64,13 +71,31 @@ class GcClock:
             self.full += info.get("generation") == 2
 
 
+def make_job(cfg: argparse.Namespace) -> tuple[Any, Any, list[tuple[Any, ...]], str]:
+    """(loss_fn, params, batches, what): the MLP job, or with --zero two zero-time stages
+    (`sleepy_pipeline(2, 0)`: each stage multiplies by its scalar parameter, so a step is
+    its fixed cost plus a few tiny JAX calls per microbatch)."""
+    if cfg.zero:
+        import jax.numpy as jnp
+
+        from dagdiff.examples.simulated import sleepy_pipeline
+
+        xs = [jax.random.normal(jax.random.PRNGKey(i), (cfg.batch, cfg.width))
+              for i in range(4)]
+        return (sleepy_pipeline(2, 0.0), [jnp.float32(1.0)] * 2, [(x,) for x in xs],
+                f"2 zero-time stages (x * p), batch {cfg.batch} x {cfg.width}")
+    params, batches = mlp_data(cfg.width, cfg.batch, cfg.layers, batches=4)
+    return (two_stage_loss, params, batches,
+            f"{cfg.layers} layers x {cfg.width}, batch {cfg.batch}, 2 stages")
+
+
 def value_and_grad_parts(client: Any, step: Any, params: Any, batches: list[Any],
                          n: int) -> dict[str, float]:
     parts: dict[str, list[float]] = {"build": [], "submit": [], "wait": [], "step": []}
     for i in range(n):
-        x, t = batches[i % len(batches)]
+        batch = batches[i % len(batches)]
         t0 = time.perf_counter()
-        loss, grads = step(params, x, t)
+        loss, grads = step(params, *batch)
         t1 = time.perf_counter()
         futures = client.compute([loss, grads])
         t2 = time.perf_counter()
@@ -81,9 +106,9 @@ def value_and_grad_parts(client: Any, step: Any, params: Any, batches: list[Any]
     return {k: statistics.median(v) for k, v in parts.items()}
 
 
-def trainer_steps(client: Any, cfg: argparse.Namespace, params: Any, batches: list[Any],
-                  n: int) -> dict[str, float]:
-    trainer = dd.Trainer(two_stage_loss, optax.sgd(1e-3), microbatches=cfg.microbatches,
+def trainer_steps(client: Any, cfg: argparse.Namespace, loss_fn: Any, params: Any,
+                  batches: list[Any], n: int) -> dict[str, float]:
+    trainer = dd.Trainer(loss_fn, optax.sgd(1e-3), microbatches=cfg.microbatches,
                          schedule="1f1b", client=client)
     state = trainer.init(params)
     state, loss = trainer.step(state, *batches[0])      # places the state, compiles
@@ -104,46 +129,70 @@ def _noop(*args: Any) -> int:
     return 0
 
 
+async def _anoop(*args: Any) -> int:
+    return 0
+
+
+def _get(client: Any, tasks: dict[str, tuple[Any, str, tuple[str, ...]]],
+         keys: list[str]) -> list[Any]:
+    """Futures of `keys` of a graph of `tasks` (key -> (function, worker address,
+    dependency keys)), each pinned to its worker, submitted as dagdiff submits a step
+    (`Client.get` of one layer, not `client.compute`)."""
+    from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
+
+    dsk = {k: (f, *deps) for k, (f, _, deps) in tasks.items()}
+    where = {k: [w] for k, (_, w, _) in tasks.items()}
+    layer = MaterializedLayer(dsk, annotations={"workers": where.get,
+                                                "allow_other_workers": False})
+    return client.get(HighLevelGraph({"floor": layer}, {"floor": set()}), keys, sync=False)
+
+
 def floor_steps(client: Any, n: int, outputs: int) -> dict[str, float]:
     """Median seconds of `n` plain Dask steps shaped like dagdiff's (see --floor)."""
-    from dask import delayed
+    from distributed import wait
 
     from dagdiff.cluster.info import slot_names
 
     by_slot = {v: k for k, v in slot_names(client).items()}
     w0, w1 = by_slot["slot0"], by_slot["slot1"]
     tag = time.monotonic_ns()
-
-    def on(addr: str, key: str, *deps: Any) -> Any:
-        with dask.annotate(workers=[addr], allow_other_workers=False):
-            return delayed(_noop, pure=False)(*deps, dask_key_name=f"{key}-{tag}")
-
-    vg, tr = [], []
-    picks: list[Any] = []
+    one, vg, tr = [], [], []
+    picks: tuple[str, ...] = ()
     for i in range(n):
         t0 = time.perf_counter()
-        nonce = on(w0, f"run-{i}")
-        progs = [on(w, f"prog{j}-{i}", nonce) for j, w in enumerate((w0, w1))]
-        outs = [on((w0, w1)[j % 2], f"out{j}-{i}", *progs) for j in range(outputs + 1)]
-        client.gather(client.compute(outs))
-        vg.append(time.perf_counter() - t0)
+        client.submit(_noop, i, tag, pure=False, workers=[w0]).result()
+        one.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        nonce = on(w0, f"trun-{i}")
-        progs = [on(w, f"tprog{j}-{i}", nonce, *picks[j:j + 1])
-                 for j, w in enumerate((w0, w1))]
-        loss = on(w1, f"tloss-{i}", *progs)
-        futures = client.compute([loss, *(on(w, f"pick{j}-{i}", progs[j])
-                                           for j, w in enumerate((w0, w1)))])
+        progs = (f"prog0-{i}-{tag}", f"prog1-{i}-{tag}")
+        tasks = {progs[0]: (_noop, w0, ()), progs[1]: (_noop, w1, ())}
+        outs = [f"out{j}-{i}-{tag}" for j in range(outputs + 1)]
+        tasks.update({o: (_anoop, (w0, w1)[j % 2], progs) for j, o in enumerate(outs)})
+        futures = _get(client, tasks, outs)
+        wait(futures)
+        vg.append(time.perf_counter() - t0)
+        del futures
+        t0 = time.perf_counter()
+        progs = (f"tprog0-{i}-{tag}", f"tprog1-{i}-{tag}")
+        tasks = {progs[j]: (_noop, w, picks[j:j + 1]) for j, w in enumerate((w0, w1))}
+        loss = f"tloss-{i}-{tag}"
+        tasks[loss] = (_anoop, w1, progs)
+        new_picks = tuple(f"pick{j}-{i}-{tag}" for j in range(2))
+        tasks.update({k: (_anoop, w, (progs[j],))
+                      for j, (k, w) in enumerate(zip(new_picks, (w0, w1)))})
+        futures = _get(client, {**tasks, **{p: (_noop, w0, ()) for p in picks}},
+                       [loss, *new_picks])
         futures[0].result()
-        picks = futures[1:]
+        held, picks = futures, new_picks
         tr.append(time.perf_counter() - t0)
-    return {"floor value_and_grad": statistics.median(vg),
+    del held
+    return {"floor 1 task": statistics.median(one),
+            "floor value_and_grad": statistics.median(vg),
             "floor trainer.step": statistics.median(tr)}
 
 
 def floor(client: Any, cfg: argparse.Namespace) -> None:
-    params, batches = mlp_data(cfg.width, cfg.batch, cfg.layers, batches=4)
-    step = dd.value_and_grad(two_stage_loss, microbatches=cfg.microbatches, schedule="1f1b")
+    loss_fn, params, batches, what = make_job(cfg)
+    step = dd.value_and_grad(loss_fn, microbatches=cfg.microbatches, schedule="1f1b")
     value_and_grad_parts(client, step, params, batches, 3)              # compile, warm up
     outputs = len(jax.tree_util.tree_leaves(params))
     floor_steps(client, 3, outputs)
@@ -152,15 +201,16 @@ def floor(client: Any, cfg: argparse.Namespace) -> None:
         got = {"value_and_grad": value_and_grad_parts(client, step, params, batches,
                                                       cfg.steps)["step"]}
         got.update(floor_steps(client, cfg.steps, outputs))
-        got["trainer.step"] = trainer_steps(client, cfg, params, batches, cfg.steps)[
-            "trainer.step"]
+        got["trainer.step"] = trainer_steps(client, cfg, loss_fn, params, batches,
+                                            cfg.steps)["trainer.step"]
         for k, v in got.items():
             rows.setdefault(k, []).append(v)
         print(f"round {r + 1}: " + ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in got.items()),
               flush=True)
     med = {k: statistics.median(v) for k, v in rows.items()}
-    print(f"\n{cfg.layers} layers x {cfg.width}, batch {cfg.batch}, 2 stages, 1F1B x "
-          f"{cfg.microbatches}; median of {cfg.steps} steps, median of {cfg.rounds} rounds")
+    print(f"\n{what}, 1F1B x {cfg.microbatches}; median of {cfg.steps} steps, median of "
+          f"{cfg.rounds} rounds")
+    print(f"one no-op task (client.submit(...).result()): {1e3 * med['floor 1 task']:.1f} ms")
     for what in ("value_and_grad", "trainer.step"):
         a, b = med[what], med[f"floor {what}"]
         print(f"{what:16s} dagdiff {1e3 * a:6.1f} ms, its graph's Dask floor {1e3 * b:6.1f} ms "
@@ -208,6 +258,7 @@ def main() -> None:
     job_args(ap, width=64, batch=64, layers=4, microbatches=8, steps=20, rounds=3)
     ap.add_argument("--scale", nargs="+", default=None, metavar="P:M")
     ap.add_argument("--floor", action="store_true")
+    ap.add_argument("--zero", action="store_true")
     cfg = ap.parse_args()
     if cfg.scale:
         scale(cfg.scale)
@@ -221,8 +272,8 @@ def main() -> None:
         client.close()
         cluster.close()
         return
-    params, batches = mlp_data(cfg.width, cfg.batch, cfg.layers, batches=4)
-    step = dd.value_and_grad(two_stage_loss, microbatches=cfg.microbatches, schedule="1f1b")
+    loss_fn, params, batches, what = make_job(cfg)
+    step = dd.value_and_grad(loss_fn, microbatches=cfg.microbatches, schedule="1f1b")
     with dask.config.set({"dagdiff.step-templates": False}):
         value_and_grad_parts(client, step, params, batches, 3)          # compile, warm up
     rows: dict[str, dict[str, list[float]]] = {"templates": {}, "lowering": {}}
@@ -234,7 +285,8 @@ def main() -> None:
                 gc.callbacks.append(clock)
                 try:
                     got = value_and_grad_parts(client, step, params, batches, cfg.steps)
-                    got.update(trainer_steps(client, cfg, params, batches, cfg.steps))
+                    got.update(trainer_steps(client, cfg, loss_fn, params, batches,
+                                             cfg.steps))
                 finally:
                     gc.callbacks.remove(clock)
                 # per step of the 4 * steps the round ran (value_and_grad, step, 2 fits)
@@ -244,8 +296,8 @@ def main() -> None:
         print(f"round {r + 1}: " + ", ".join(
             f"{k} {1e3 * rows['templates'][k][-1]:.1f} / {1e3 * rows['lowering'][k][-1]:.1f} ms"
             for k in rows["templates"]), flush=True)
-    print(f"\n{cfg.layers} layers x {cfg.width}, batch {cfg.batch}, 2 stages, 1F1B x "
-          f"{cfg.microbatches}; median of {cfg.steps} steps, median of {cfg.rounds} rounds")
+    print(f"\n{what}, 1F1B x {cfg.microbatches}; median of {cfg.steps} steps, median of "
+          f"{cfg.rounds} rounds")
     print(f"{'':16s} {'templates':>10s} {'lowering':>10s} {'ratio':>7s}")
     for k in rows["templates"]:
         a = statistics.median(rows["templates"][k])

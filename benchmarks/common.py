@@ -14,8 +14,8 @@ try:
 except ImportError:                       # imported as benchmarks.common
     from benchmarks.timing import job_args, mean_seconds, time_steps
 
-__all__ = ["dense", "mse", "two_stage_loss", "mlp_data", "job_args", "time_steps",
-           "mean_seconds"]
+__all__ = ["dense", "mse", "two_stage_loss", "tied_stage_loss", "unused_leaf_loss",
+           "mlp_data", "job_args", "time_steps", "mean_seconds"]
 
 @dd.layer
 def dense(p: Any, x: Any) -> Any:
@@ -35,6 +35,25 @@ def two_stage_loss(params: Any, x: Any, t: Any) -> Any:
             h = dense(p, h)
     with dd.stage(1):
         return mse(h, t)
+
+
+def tied_stage_loss(params: Any, x: Any, t: Any) -> Any:
+    """`two_stage_loss` whose first layer's weights are applied once more on stage 1, after
+    its first layer (weights tied across stages, as an embedding and its output projection)."""
+    h = x
+    for i, p in enumerate(params):
+        with dd.stage(i * 2 // len(params)):
+            h = dense(p, h)
+            if i == len(params) // 2:
+                h = dense(params[0], h)
+    with dd.stage(1):
+        return mse(h, t)
+
+
+def unused_leaf_loss(params: Any, x: Any, t: Any) -> Any:
+    """`two_stage_loss` of all but the last layer of `params` (a leaf the loss never
+    reads, as a head left out of this loss)."""
+    return two_stage_loss(params[:-1], x, t)
 
 
 def mlp_data(width: int, batch: int, layers: int = 4, batches: int = 4) -> tuple[Any, Any]:

@@ -98,8 +98,11 @@ def lower_pipeline(trace: Trace, plan: BackwardPlan, token: str, *, microbatches
 
     last_acc: dict[Any, str] = {}      # stage -> accumulator key of its last microbatch
     unused: dict[int, GradSum] = {}    # param node -> its (zero) gradient's record
-    acc_pos: dict[int, int] = {}       # param node -> position in its stage's accumulator
-    acc_of: dict[int, Any] = {}        # param node -> stage of its accumulator
+    # param node -> {stage: position in that stage's accumulator}: a leaf used on several
+    # stages (tied weights) is summed on each of them, then once across them
+    acc_pos: dict[int, dict[Any, int]] = {}
+    zeros_of: dict[int, Any] = {}      # param node -> (shape, dtype) of its gradient
+    dev_of = (devices or {}).get
     for mb in range(m):
         mb_inputs = dict(shared)
         mb_inputs.update({idx: (keys[mb], -1) for idx, keys in splits.items()})
@@ -114,28 +117,30 @@ def lower_pipeline(trace: Trace, plan: BackwardPlan, token: str, *, microbatches
         # gradient accumulation on the stage's worker: one task per (stage, microbatch)
         # sums the contributions to all of the stage's parameter leaves and adds the
         # previous microbatch's sums (one accumulator alive per stage, few small tasks)
-        by_stage: dict[Any, list[int]] = defaultdict(list)
+        by_stage: dict[Any, list[tuple[int, list[tuple[int, Any]]]]] = defaultdict(list)
         for pnode, gs in low.grad_sums.items():
-            if gs.srcs:
-                by_stage[gs.stage].append(pnode)
-            else:       # a leaf the loss does not use: its gradient is zeros, once
+            zeros_of[pnode] = gs.zeros
+            if not gs.srcs:     # a leaf the loss does not use: its gradient is zeros, once
                 unused[pnode] = gs
-        for st, pnodes in by_stage.items():
+                continue
+            parts: dict[Any, list[tuple[int, Any]]] = defaultdict(list)
+            for src, v in zip(gs.srcs, gs.values):
+                st = low.stage_of.get(v.key) if isinstance(v, TaskRef) else None
+                parts[gs.stage if gs.stage is not None else st].append((src, v))
+            for st, ps in parts.items():
+                by_stage[st].append((pnode, ps))
+        for st, entries_of in by_stage.items():
             layout, vals = [], []
-            dev = None
-            for pn in pnodes:
-                gs = low.grad_sums[pn]
-                dev = gs.device
+            for pn, ps in entries_of:
                 entries = []
-                for src, v in zip(gs.srcs, gs.values):
+                for src, v in ps:
                     vals.append(v)
                     entries.append((len(vals) - 1, src))
-                layout.append((tuple(entries), gs.zeros))
-                acc_pos[pn] = len(layout) - 1
-                acc_of[pn] = st
+                layout.append((tuple(entries), zeros_of[pn]))
+                acc_pos.setdefault(pn, {})[st] = len(layout) - 1
             k = acc_key(st, mb)
             prev = acc_prev(st, mb)
-            low.add(k, Task(k, acc_task, tuple(layout), dev,
+            low.add(k, Task(k, acc_task, tuple(layout), dev_of(st),
                             TaskRef(prev) if prev else None, *vals), st)
             seq = order.get(st) or list(range(m))
             last_acc[st] = acc_key(st, seq[-1])
@@ -147,10 +152,19 @@ def lower_pipeline(trace: Trace, plan: BackwardPlan, token: str, *, microbatches
         stage_of.update(low.stage_of)
         lowered.append(low)
     grad_keys: dict[int, str] = {}
-    for pn, st in acc_of.items():
+    for pn, pos in acc_pos.items():
         node = trace.nodes[pn]
         k = make_key("grad", node.path or node.name, pn, token)
-        dsk[k] = Task(k, select_task, acc_pos[pn], TaskRef(last_acc[st]))
+        if len(pos) == 1:
+            ((st, i),) = pos.items()
+            dsk[k] = Task(k, select_task, i, TaskRef(last_acc[st]))
+        else:
+            # each stage's sum over the microbatches, added once on the leaf's own stage
+            # (where its parameter lives and a Trainer updates it)
+            st = home.get(pn)
+            st = st if st in pos else next(iter(pos))
+            dsk[k] = Task(k, sum_task, tuple(pos.values()), zeros_of[pn], dev_of(st),
+                          *(TaskRef(last_acc[s]) for s in pos))
         stage_of[k] = st
         grad_keys[pn] = k
     for pn, gs in unused.items():
@@ -161,7 +175,7 @@ def lower_pipeline(trace: Trace, plan: BackwardPlan, token: str, *, microbatches
         k = make_key("grad", node.path or node.name, pn, token)
         st = home.get(pn)
         st = trace.nodes[loss.node].stage if st is None else st
-        dsk[k] = Task(k, sum_task, (), gs.zeros, (devices or {}).get(st))
+        dsk[k] = Task(k, sum_task, (), gs.zeros, dev_of(st))
         stage_of[k] = st
         grad_keys[pn] = k
     lnode = trace.nodes[loss.node]
