@@ -133,11 +133,11 @@ async def _anoop(*args: Any) -> int:
     return 0
 
 
-def _get(client: Any, tasks: dict[str, tuple[Any, str, tuple[str, ...]]],
+def _get(client: Any, tasks: dict[str, tuple[Any, str, tuple[Any, ...]]],
          keys: list[str]) -> list[Any]:
     """Futures of `keys` of a graph of `tasks` (key -> (function, worker address,
-    dependency keys)), each pinned to its worker, submitted as dagdiff submits a step
-    (`Client.get` of one layer, not `client.compute`)."""
+    dependencies: keys of `tasks` or Futures)), each pinned to its worker, submitted as
+    dagdiff submits a step (`Client.get` of one layer, not `client.compute`)."""
     from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
     dsk = {k: (f, *deps) for k, (f, _, deps) in tasks.items()}
@@ -157,7 +157,7 @@ def floor_steps(client: Any, n: int, outputs: int) -> dict[str, float]:
     w0, w1 = by_slot["slot0"], by_slot["slot1"]
     tag = time.monotonic_ns()
     one, vg, tr = [], [], []
-    picks: tuple[str, ...] = ()
+    picks: list[Any] = []              # the previous step's pick futures
     for i in range(n):
         t0 = time.perf_counter()
         client.submit(_noop, i, tag, pure=False, workers=[w0]).result()
@@ -179,12 +179,11 @@ def floor_steps(client: Any, n: int, outputs: int) -> dict[str, float]:
         new_picks = tuple(f"pick{j}-{i}-{tag}" for j in range(2))
         tasks.update({k: (_anoop, w, (progs[j],))
                       for j, (k, w) in enumerate(zip(new_picks, (w0, w1)))})
-        futures = _get(client, {**tasks, **{p: (_noop, w0, ()) for p in picks}},
-                       [loss, *new_picks])
+        futures = _get(client, tasks, [loss, *new_picks])
         futures[0].result()
-        held, picks = futures, new_picks
+        picks = futures[1:]
         tr.append(time.perf_counter() - t0)
-    del held
+    del picks
     return {"floor 1 task": statistics.median(one),
             "floor value_and_grad": statistics.median(vg),
             "floor trainer.step": statistics.median(tr)}
