@@ -61,19 +61,19 @@ def test_pipeline_needs_stages() -> None:
     close(dask.compute(grads, scheduler="sync")[0], jax.grad(M.mlp_loss)(params[:2], x, t))
 
 
-def test_an_operator_after_the_last_stage_block_runs_on_its_inputs_stage() -> None:
-    """``loss * 2`` or ``loss / n`` written after the last ``with dd.stage(k):`` block (an
-    operator on a traced value, not a layer of the user's) runs on its input's stage;
-    values equal jax's. An operator reading two stages outside any block still needs a
-    stage, and the error says so."""
+def test_a_layer_or_operator_after_the_last_stage_block_runs_on_its_inputs_stage() -> None:
+    """``return mse(h, t)`` after the last ``with dd.stage(k):`` block (the README's
+    model), and ``loss * 2`` or ``loss / n`` on it (operators on traced values), run on
+    their inputs' stage; values equal jax's. One reading two stages outside any block
+    still needs a stage, and the error says so."""
     from tests.models import dense, mse
 
     def scaled(params: Any, x: Any, t: Any) -> Any:
-        with dd.stage(0):
-            h = dense(params[0], x)
-        with dd.stage(1):
-            h = dense(params[1], h)
-            loss = mse(h, t)
+        h = x
+        for i, p in enumerate(params):
+            with dd.stage(i * 2 // len(params)):
+                h = dense(p, h)
+        loss = mse(h, t)
         return -(loss * 2.0) / 3.0 + loss
 
     params, x, t = data(2, batch=8)
@@ -84,8 +84,8 @@ def test_an_operator_after_the_last_stage_block_runs_on_its_inputs_stage() -> No
     np.testing.assert_allclose(got_l, want_l, rtol=1e-5)
     close(got_g, want_g)
     rows = dd.trace(scaled, microbatches=4, schedule="1f1b", fuse=False)(params, x, t).rows()
-    ops = [r for r in rows if r["layer"] in ("mul", "truediv", "neg", "add")]
-    assert len(ops) == 4 and {r["stage"] for r in ops} == {1}, ops
+    ops = [r for r in rows if r["layer"] in ("mse", "mul", "truediv", "neg", "add")]
+    assert len(ops) == 5 and {r["stage"] for r in ops} == {1}, ops
 
     def mixed(params: Any, x: Any, t: Any) -> Any:
         with dd.stage(0):

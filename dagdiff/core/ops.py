@@ -9,7 +9,7 @@ import numpy as np
 
 from ..errors import TracerError
 from .layer import Layer
-from .tracer import GLUE_LAYERS, OPERATORS
+from .tracer import OPERATORS
 
 
 __all__ = ["getitem", "OPERATOR_LAYERS"]
@@ -84,4 +84,3 @@ OPERATORS.update(neg=Layer(operator.neg, name="neg"),
 #: the layers recorded for operators and indexing on traced values (not the user's)
 OPERATOR_LAYERS: frozenset[Layer] = frozenset(
     [_GETITEM, *(v for v in OPERATORS.values() if isinstance(v, Layer))])
-GLUE_LAYERS.update(OPERATOR_LAYERS)

@@ -25,7 +25,9 @@ def check_stage(value: object, where: str = "stage") -> int | None:
 
 @contextlib.contextmanager
 def stage(index: int) -> Iterator[int]:
-    """Layer calls made inside ``with dd.stage(k):`` belong to stage k (unless the layer says)."""
+    """Layer calls made inside ``with dd.stage(k):`` belong to stage k (unless the layer says);
+    one made outside every block goes on its traced inputs' stage if they all come from one
+    (`Trace.add_call`), else stays unstaged."""
     token = _STAGE.set(check_stage(index))
     try:
         yield index

@@ -22,14 +22,11 @@ if TYPE_CHECKING:
     from .layer import Layer
 
 __all__ = ["Traced", "Node", "Trace", "call_layer", "is_array", "fmt_aval", "aval_of",
-           "home_stages", "OPERATORS", "GLUE_LAYERS"]
+           "home_stages", "OPERATORS"]
 
 #: the layers behind operators on traced values ("add", "matmul", "neg", "getitem",
 #: "transpose", ...), filled in by `dagdiff.core.ops`
 OPERATORS: dict[str, Callable[..., Any]] = {}
-#: those layers (glue code, not the user's): outside any `dd.stage` block one runs on its
-#: traced inputs' stage when they all come from one (``loss * 2`` after the last stage)
-GLUE_LAYERS: set[Any] = set()
 
 _ACTIVE: ContextVar["Trace | None"] = ContextVar("dagdiff_trace", default=None)
 
@@ -252,7 +249,9 @@ class Trace:
                     "dd.value_and_grad traced. Return it instead, or trace once."
                 )
         stage = layer.stage if layer.stage is not None else current_stage()
-        if stage is None and layer in GLUE_LAYERS:
+        if stage is None:
+            # outside any `dd.stage` block (``return mse(h, t)`` after the last one, or
+            # ``loss * 2``): on its traced inputs' stage when they all come from one
             stages = {self.nodes[x.node].stage for x in leaves if isinstance(x, Traced)}
             stages.discard(None)
             if len(stages) == 1:

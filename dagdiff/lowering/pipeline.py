@@ -269,9 +269,9 @@ def order_actions(dsk: dict[str, Any], lowered: list[Lowered], trace: Trace,
         raise PlacementError(
             f"a pipeline schedule needs every layer on a stage; unstaged layers: "
             f"{', '.join(unstaged)}. Use @dd.layer(stage=k), `with dd.stage(k):`, or "
-            "stages='auto' (an operator on traced values, such as + * / @ or indexing, "
+            "stages='auto' (a layer or an operator on traced values, such as + * / @, "
             "outside any `dd.stage` block runs on its inputs' stage when they all come from "
-            "one stage; one that reads several needs a `with dd.stage(k):` of its own).")
+            "one stage; one that reads several stages, or none, needs a stage of its own).")
     v = schedule.virtual_stages
     n_stages = max(stages) + 1 - stage_offset
     if n_stages % v:
