@@ -374,18 +374,23 @@ class InboxEnds:
             return DONT_REPLY
         context = {"sender": comm.local_info, "recipient": comm.remote_info,
                    **comm.handshake_options}
-        try:
-            sock.settimeout(self._write_timeout)
-            sock.sendall(ACK)
-        except OSError:
-            comm.abort()
-            return DONT_REPLY
         loop = asyncio.get_running_loop()
         ended: asyncio.Future = loop.create_future()
+        # open here before the client hears so: a step it sends once it has every ACK
+        # finds its inbox on every worker
         with self._lock:
             self._ends[inbox] = (sock, threading.Lock(), comm, context, loop, ended)
             while len(self._ends) > self.KEEP:
                 self._drop(next(iter(self._ends)))
+        try:
+            sock.settimeout(self._write_timeout)
+            sock.sendall(ACK)
+        except OSError:
+            with self._lock:
+                if self._ends.get(inbox, (None,) * 6)[5] is ended:
+                    del self._ends[inbox]
+            comm.abort()
+            return DONT_REPLY
         # the client never writes: the socket turning readable means it hung up
         fd = sock.fileno()
         loop.add_reader(fd, self._hung_up, inbox, ended)
@@ -411,6 +416,11 @@ class InboxEnds:
         """How many clients' inboxes are open here."""
         with self._lock:
             return len(self._ends)
+
+    def is_open(self, inbox: str) -> bool:
+        """Whether the inbox with id `inbox` (`ClientInbox.id`) is open here."""
+        with self._lock:
+            return inbox in self._ends
 
     def push(self, inbox: str, key: str, value: Any, wait: bool = True) -> bool:
         """Write `value` (pushed under `key`) to the client's inbox `inbox`, now, if it is
