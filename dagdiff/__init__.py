@@ -48,6 +48,7 @@ from .errors import (
     LayerTypeError,
     MicrobatchError,
     MissingDependencyError,
+    OptimizerError,
     PlacementError,
     ScheduleError,
     TracerError,
@@ -138,4 +139,5 @@ __all__ = [
     "WorkerLostError",
     "LostStateError",
     "MissingDependencyError",
+    "OptimizerError",
 ]

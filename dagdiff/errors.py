@@ -23,6 +23,7 @@ __all__ = [
     "LostStateError",
     "WorkerLostError",
     "MissingDependencyError",
+    "OptimizerError",
 ]
 
 
@@ -121,6 +122,12 @@ class WorkerLostError(TrainerError):
 
     def __reduce__(self) -> tuple[object, ...]:
         return type(self), (str(self), self.step, self.workers)
+
+
+class OptimizerError(DagdiffError, ValueError):
+    """A `dd.Trainer`'s optimizer does not give, applied to each stage's parameters on its
+    worker, what it gives applied to the whole model (a global-norm clip reads every
+    stage's gradients); the message names the leaf and the way out."""
 
 
 class MissingDependencyError(DagdiffError, ImportError):

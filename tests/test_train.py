@@ -66,6 +66,52 @@ def test_trainer_local_matches_optax() -> None:
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
 
 
+
+def test_an_optimizer_that_couples_stages_is_refused_unless_asked_per_stage() -> None:
+    """Regression: dagdiff applies the optimizer to each stage's parameters on its worker,
+    so `optax.clip_by_global_norm` clipped each stage by its own norm and the parameters
+    drifted from optax's without a word (sgd + clip: the losses differed by step 2). Such
+    an optimizer now fails the first step, naming the leaf and the fix;
+    ``per_stage_optimizer=True`` runs it per stage (equal to optax applied to each
+    stage's leaves); an element-wise chain (clip + adamw) matches optax on the whole
+    model."""
+    params, batches = setup()
+    coupled = optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-2))
+    trainer = dd.Trainer(loss_fn, coupled, microbatches=2, schedule="1f1b")
+    state = trainer.init(params)
+    with pytest.raises(dd.OptimizerError,
+                       match=r"(?s)stage 0.*leaf 0.*clip_by_global_norm.*per_stage_optimizer"):
+        trainer.step(state, *batches[0])
+
+    trainer = dd.Trainer(loss_fn, coupled, microbatches=2, schedule="1f1b",
+                         per_stage_optimizer=True)
+    state, losses = trainer.fit(batches, params=params, progress=False)
+    want, states, want_losses = params, None, []
+    for x, t in batches:                  # optax on each stage's list of leaves
+        loss, g = jax.value_and_grad(loss_fn)(want, x, t)
+        want_losses.append(float(loss))
+        stages = [jax.tree_util.tree_leaves(want[s]) for s in range(2)]
+        grads = [jax.tree_util.tree_leaves(g[s]) for s in range(2)]
+        states = states or [coupled.init(p) for p in stages]
+        new = []
+        for s in range(2):
+            u, states[s] = coupled.update(grads[s], states[s], stages[s])
+            new.append(jax.tree_util.tree_unflatten(
+                jax.tree_util.tree_structure(want[s]), optax.apply_updates(stages[s], u)))
+        want = new
+    close(trainer.params(state), want)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    whole, _ = reference(params, batches, coupled)      # what the check guards against
+    assert not all(np.allclose(a, b, rtol=1e-5) for a, b in zip(
+        jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(whole)))
+
+    fine = optax.chain(optax.clip(0.1), optax.adamw(1e-2))
+    trainer = dd.Trainer(loss_fn, fine, microbatches=2, schedule="1f1b")
+    state, losses = trainer.fit(batches, params=params, progress=False)
+    want, want_losses = reference(params, batches, fine)
+    close(trainer.params(state), want)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("schedule,replicas", [("1f1b", 1), ("gpipe", 1), ("1f1b", 2),
                                                ("gpipe", 2)])

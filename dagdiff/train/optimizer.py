@@ -3,16 +3,19 @@ its jitted step cached per worker process."""
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 
 from ..core.byvalue import payload, revive
+from ..errors import OptimizerError
 from ..runtime.memory import sample as sample_memory
 
 
-__all__ = ["ScaledOptimizer", "update_task"]
+__all__ = ["ScaledOptimizer", "update_task", "check_per_stage"]
 
 # jitted optimizer steps per (trainer, replica count), kept on each worker: the optimizer
 # arrives pickled with every task (optax transforms are closures, re-created on each
@@ -68,3 +71,92 @@ def update_task(optimizer: ScaledOptimizer, n: int, state: Any, *grads: Any,
     out = (*jax.block_until_ready(new), new_state)
     sample_memory()          # old and new state both held: a stage's high point
     return out
+
+
+#: gradient scales the per-stage check tries: a global-norm clip at any threshold in
+#: between is active at one of them (a stand-in leaf has at most 3 entries a dimension)
+_CHECK_SCALES = (1.0, 1e8)
+
+
+def check_per_stage(optimizer: Any, leaves: Sequence[Any], groups: Sequence[Sequence[int]],
+                    stages: Sequence[int]) -> None:
+    """Raise `OptimizerError` when `optimizer` applied to each group's parameter leaves
+    alone (as a Trainer applies it: a list of the stage's leaves, on the stage's worker)
+    gives other updates than applied to all `leaves` at once, over two steps with
+    gradients at two scales (1, and 1e8: every global-norm clip active). Run on small stand-ins of the leaves (each dimension cut
+    to 3, float32, fixed random values), on the CPU: it checks the optimizer's math, not
+    the model's sizes. An optimizer that fails on the stand-ins is left to the real run."""
+    if len(groups) < 2:
+        return
+    rng = np.random.default_rng(0)
+    cpu = jax.devices("cpu")[0]
+
+    def stand_in(x: Any) -> Any:
+        shape = tuple(min(int(d), 3) for d in np.shape(x))
+        return jnp.asarray(rng.standard_normal(shape), np.float32)
+
+    with jax.default_device(cpu):
+        params = [stand_in(x) for x in leaves]
+        base = [(stand_in(x), stand_in(x)) for x in leaves]
+        for scale in _CHECK_SCALES:
+            grads = [(a * scale, b * scale) for a, b in base]
+            try:
+                whole = _checked_steps(optimizer, params, grads)
+            except Exception:                 # noqa: BLE001 - the real run will say
+                return
+            parts: list[Any] = [None] * len(leaves)
+            for g, (group, stage) in enumerate(zip(groups, stages)):
+                try:
+                    got = _checked_steps(optimizer, [params[i] for i in group],
+                                         [grads[i] for i in group])
+                except Exception as e:        # noqa: BLE001 - re-raised with the facts
+                    raise OptimizerError(
+                        f"dd.Trainer: the optimizer runs on the whole model's parameters "
+                        f"but fails on stage {stage}'s alone ({type(e).__name__}: "
+                        f"{str(e)[:300]}); dagdiff applies it to each stage's parameters, "
+                        "as a list of that stage's leaves, on the stage's worker. A mask or "
+                        "label pytree of the whole model (optax.masked, "
+                        "optax.multi_transform) does not fit such a list: use one "
+                        "optimizer for every parameter, or a model on one stage") from e
+                for i, u in zip(group, got):
+                    parts[i] = u
+            top = max(float(np.max(np.abs(u))) if u.size else 0.0 for u in whole) or 1.0
+            for g, (group, stage) in enumerate(zip(groups, stages)):
+                for i in group:
+                    if not np.allclose(parts[i], whole[i], rtol=1e-4, atol=1e-5 * top):
+                        raise OptimizerError(
+                            f"dd.Trainer: the optimizer couples the parameters of different "
+                            f"stages: applied to stage {stage}'s parameters alone (as dagdiff "
+                            f"applies it, on the stage's worker) its update of parameter "
+                            f"leaf {i} (shape {tuple(np.shape(leaves[i]))}) differs from "
+                            f"its update of the whole model, with gradients of scale "
+                            f"{scale:g}. A transform that reads every gradient does this "
+                            "(optax.clip_by_global_norm, optax.apply_if_finite, noise drawn "
+                            "for the whole tree). Fix: clip each leaf (optax.clip, "
+                            "optax.adaptive_grad_clip), or pass "
+                            "dd.Trainer(..., per_stage_optimizer=True) to apply it to each "
+                            "stage's parameters alone (a global-norm clip then clips each "
+                            "stage's gradients by their own norm)")
+
+
+def _checked_steps(optimizer: Any, params: list[Any], grads: list[tuple[Any, Any]]
+                   ) -> list[np.ndarray]:
+    """`_two_steps`, jitted (one compilation per list of shapes: eager, an optimizer
+    with conditions took seconds), as NumPy arrays."""
+    return [np.asarray(u, np.float64) for u in _two_steps_jit(optimizer, params, grads)]
+
+
+def _two_steps(optimizer: Any, params: list[Any], grads: list[tuple[Any, Any]]
+               ) -> list[Any]:
+    """The updates of two optimizer steps from `optimizer.init(params)` (`grads`: each
+    leaf's gradients of the two steps, independent: a scale-free optimizer such as adam
+    after a global-norm clip differs only when the norms' ratio between steps differs
+    between stages), per leaf as one NumPy array."""
+    state = optimizer.init(params)
+    first, state = optimizer.update([a for a, _ in grads], state, params)
+    moved = optax.apply_updates(params, first)
+    second, _ = optimizer.update([b for _, b in grads], state, moved)
+    return [jnp.concatenate([jnp.ravel(a), jnp.ravel(b)]) for a, b in zip(first, second)]
+
+
+_two_steps_jit = jax.jit(_two_steps, static_argnums=0)

@@ -47,6 +47,7 @@ from ..core.tracer import home_stages
 from ..errors import ArgumentError, MicrobatchError, PlacementError, TrainerError
 from ..extras import available, require
 from .fit import FitRun, NoBar
+from .optimizer import check_per_stage
 from .recovery import Placement, Recovery, StepLoss
 from .restoring import Restoring
 from .state import TrainState
@@ -88,7 +89,8 @@ class Trainer(StepGraph, Restoring):
                  batch_axis: int = 0, dispatch: str | None = None, recover: bool = True,
                  max_retries: int = 3, copy_every: int = 10,
                  copy_interval: float | None = None,
-                 remat: str | Mapping[int, str] | None = None) -> None:
+                 remat: str | Mapping[int, str] | None = None,
+                 per_stage_optimizer: bool = False) -> None:
         for label, value in (("replicas", replicas), ("microbatches", microbatches)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ArgumentError(f"Trainer: {label} must be a positive int, got {value!r}")
@@ -99,6 +101,9 @@ class Trainer(StepGraph, Restoring):
                 f"update), got {type(optimizer).__name__}; e.g. optax.adam(1e-3)")
         self.loss_fn = loss_fn
         self.optimizer = optimizer
+        #: apply the optimizer to each stage's parameters alone even where its updates
+        #: then differ from the whole model's (checked on the first step otherwise)
+        self.per_stage_optimizer = bool(per_stage_optimizer)
         self.options = Options.make("dd.Trainer", argnums=0, microbatches=microbatches,
                                     schedule=schedule, batch_argnums=batch_argnums,
                                     batch_axis=batch_axis, stages=stages, placement=placement,
@@ -141,6 +146,8 @@ class Trainer(StepGraph, Restoring):
         self._ref = weakref.ref(self)
         self._uid = uuid.uuid4().hex[:8]   # task keys of different trainers never collide
         self._cache: dict[Any, StepModel] = {}
+        #: parameter groupings the optimizer was checked on (`check_per_stage`)
+        self._checked: set[tuple[tuple[int, ...], ...]] = set()
         #: fit(window="auto")'s choice per (batch signature, seconds aimed at): a later fit
         #: of such batches starts with it instead of timing its first steps again
         self._windows: dict[tuple[Any, float], int] = {}
@@ -269,6 +276,9 @@ class Trainer(StepGraph, Restoring):
         out = StepModel(model, home, [n.index for n in param_nodes],
                      [n.index for n in batch_nodes], tuple(tuple(g) for g in groups),
                      [st for st, _ in sorted(group_of_stage.items(), key=lambda kv: kv[1])], p)
+        if not self.per_stage_optimizer and out.groups not in self._checked:
+            check_per_stage(self.optimizer, self._template, out.groups, out.group_stage)
+            self._checked.add(out.groups)
         self._cache[key] = out
         return out
 
