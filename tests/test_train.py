@@ -112,6 +112,37 @@ def test_an_optimizer_that_couples_stages_is_refused_unless_asked_per_stage() ->
     close(trainer.params(state), want)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
 
+    # the global-norm clip across stages: optax's clip_by_global_norm on the whole model
+    trainer = dd.Trainer(loss_fn, optax.adam(1e-2), microbatches=2, schedule="1f1b",
+                         clip_global_norm=0.05)
+    state, losses = trainer.fit(batches, params=params, progress=False)
+    close(trainer.params(state), whole)
+    np.testing.assert_allclose(losses, reference(params, batches, coupled)[1], rtol=1e-5)
+    with pytest.raises(dd.ArgumentError, match="clip_global_norm must be a number > 0"):
+        dd.Trainer(loss_fn, optax.adam(1e-2), clip_global_norm=0)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("replicas,window", [(1, 1), (2, 3)])
+def test_clip_global_norm_equals_optax_over_every_stage_on_a_cluster(
+        client4: Any, replicas: int, window: int) -> None:
+    """`clip_global_norm=c` on a cluster (each stage's sum of squares on its worker,
+    the norm on stage 0's, read by every stage's update): the parameters and losses of
+    ``optax.chain(optax.clip_by_global_norm(c), optax.sgd)`` on the whole model, with
+    the clip active, with replicas (their mean gradients' norm) and in fit windows."""
+    params, batches = setup(6)
+    opt = optax.sgd(0.5)
+    want, want_losses = reference(params, batches,
+                                  optax.chain(optax.clip_by_global_norm(0.02), opt))
+    unclipped, _ = reference(params, batches, opt)
+    trainer = dd.Trainer(loss_fn, opt, microbatches=2, schedule="1f1b", replicas=replicas,
+                         client=client4, clip_global_norm=0.02)
+    state, losses = trainer.fit(batches, params=params, progress=False, window=window)
+    close(trainer.params(state), want)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    assert not np.allclose(jax.tree_util.tree_leaves(want)[0],
+                           jax.tree_util.tree_leaves(unclipped)[0], rtol=1e-3)
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("schedule,replicas", [("1f1b", 1), ("gpipe", 1), ("1f1b", 2),
                                                ("gpipe", 2)])

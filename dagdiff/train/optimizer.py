@@ -15,7 +15,7 @@ from ..errors import OptimizerError
 from ..runtime.memory import sample as sample_memory
 
 
-__all__ = ["ScaledOptimizer", "update_task", "check_per_stage"]
+__all__ = ["ScaledOptimizer", "update_task", "check_per_stage", "sumsq_task", "norm_task"]
 
 # jitted optimizer steps per (trainer, replica count), kept on each worker: the optimizer
 # arrives pickled with every task (optax transforms are closures, re-created on each
@@ -28,23 +28,31 @@ class ScaledOptimizer:
     """An optax transform applied to the replica-summed gradients divided by r; `key`
     names it stably across tasks (the trainer and r) for the workers' jit cache."""
 
-    def __init__(self, optimizer: optax.GradientTransformation, r: int, key: str = "") -> None:
-        self.optimizer, self.r, self.key = optimizer, r, key
+    def __init__(self, optimizer: optax.GradientTransformation, r: int, key: str = "",
+                 clip: float | None = None) -> None:
+        self.optimizer, self.r, self.key, self.clip = optimizer, r, key, clip
 
     def __reduce__(self) -> tuple[Any, ...]:
         # by value, as bytes made once (`core.byvalue`): an optax transform is a set of
         # closures that plain pickle refuses, so each step's whole graph fell back to
         # cloudpickle after a failed plain-pickle attempt
-        return (_revive, payload(self, (id(self.optimizer), self.r, self.key),
-                                 lambda: (self.optimizer, self.r, self.key)))
+        return (_revive, payload(self, (id(self.optimizer), self.r, self.key, self.clip),
+                                 lambda: (self.optimizer, self.r, self.key, self.clip)))
 
-    def update(self, grads: Any, state: Any, params: Any) -> Any:
+    def update(self, grads: Any, state: Any, params: Any, norm: Any = None) -> Any:
         if self.r > 1:
             grads = [g / self.r for g in grads]
+        if self.clip is not None and norm is not None:
+            # optax.clip_by_global_norm's arithmetic, with the norm of every stage's
+            # gradients (`norm_task`)
+            keep = jnp.squeeze(norm < self.clip)
+            grads = [jax.lax.select(keep, g, (g / norm.astype(g.dtype)) * self.clip)
+                     for g in grads]
         return self.optimizer.update(grads, state, params)
 
-    def step(self, params: Any, state: Any, grads: Any) -> tuple[Any, Any]:
-        updates, new_state = self.update(grads, state, params)
+    def step(self, params: Any, state: Any, grads: Any, norm: Any = None
+             ) -> tuple[Any, Any]:
+        updates, new_state = self.update(grads, state, params, norm)
         return optax.apply_updates(params, updates), new_state
 
     def compiled(self) -> Any:
@@ -60,14 +68,32 @@ class ScaledOptimizer:
 
 def _revive(digest: str, data: bytes) -> ScaledOptimizer:
     return revive(digest, data, lambda st: ScaledOptimizer(*st),
-                  lambda o: (id(o.optimizer), o.r, o.key))
+                  lambda o: (id(o.optimizer), o.r, o.key, o.clip))
+
+
+@jax.jit
+def _sumsq(grads: list[Any], r: float) -> Any:
+    return sum(jnp.sum(jnp.square(jnp.abs(g / r).astype(jnp.float32))) for g in grads)
+
+
+def sumsq_task(r: int, *grads: Any) -> Any:
+    """The sum of squares of one stage's gradient leaves (summed over `r` replicas: of
+    their mean), for the global norm (`norm_task`)."""
+    return _sumsq(list(grads), float(r))
+
+
+def norm_task(*sumsqs: Any) -> Any:
+    """The global norm of every stage's gradients, from each stage's `sumsq_task`."""
+    return jnp.sqrt(sum(jnp.asarray(s) for s in sumsqs))
 
 
 def update_task(optimizer: ScaledOptimizer, n: int, state: Any, *grads: Any,
-                **after: Any) -> tuple:
-    """One optax step for one stage's parameter leaves: (new leaves..., new opt state)."""
+                norm: Any = None, **after: Any) -> tuple:
+    """One optax step for one stage's parameter leaves: (new leaves..., new opt state);
+    `norm`: the global norm of every stage's gradients, for the Trainer's
+    ``clip_global_norm``."""
     params, opt_state = list(state[:n]), state[n]
-    new, new_state = optimizer.compiled()(params, opt_state, list(grads))
+    new, new_state = optimizer.compiled()(params, opt_state, list(grads), norm)
     out = (*jax.block_until_ready(new), new_state)
     sample_memory()          # old and new state both held: a stage's high point
     return out
@@ -132,11 +158,13 @@ def check_per_stage(optimizer: Any, leaves: Sequence[Any], groups: Sequence[Sequ
                             f"its update of the whole model, with gradients of scale "
                             f"{scale:g}. A transform that reads every gradient does this "
                             "(optax.clip_by_global_norm, optax.apply_if_finite, noise drawn "
-                            "for the whole tree). Fix: clip each leaf (optax.clip, "
-                            "optax.adaptive_grad_clip), or pass "
-                            "dd.Trainer(..., per_stage_optimizer=True) to apply it to each "
-                            "stage's parameters alone (a global-norm clip then clips each "
-                            "stage's gradients by their own norm)")
+                            "for the whole tree). Fix: for a global-norm clip, drop it from "
+                            "the optimizer and pass dd.Trainer(..., clip_global_norm=c) (the "
+                            "norm of every stage's gradients, as optax computes it); or clip "
+                            "each leaf (optax.clip, optax.adaptive_grad_clip); or pass "
+                            "per_stage_optimizer=True to apply it to each stage's "
+                            "parameters alone (a global-norm clip then clips each stage's "
+                            "gradients by their own norm)")
 
 
 def _checked_steps(optimizer: Any, params: list[Any], grads: list[tuple[Any, Any]]

@@ -32,7 +32,7 @@ from ..errors import ArgumentError, TrainerError
 from ..runtime.tasks import mean_task
 from ..runtime.taskspec import DataNode, Task, TaskRef
 from .allreduce import tree_allreduce
-from .optimizer import ScaledOptimizer, update_task
+from .optimizer import ScaledOptimizer, norm_task, sumsq_task, update_task
 from .recovery import Recovery
 from .state import TrainState, batch_token, state_identity
 
@@ -188,6 +188,7 @@ class StepGraph:
             binding = Binding(
                 templates.template_key(
                     trace, {}, "trainer", self._uid, self.options.token(), r_count, m, p,
+                    self.clip_global_norm,
                     model.groups, tuple(sorted(placed)), program_homes("direct", targets),
                     dict(targets.of), dask.config.get("dagdiff", {}),
                     templates.sharing({rg: str(v.key) for rg, v in placed.items()})),
@@ -224,15 +225,35 @@ class StepGraph:
             stage_of.update(pstage)
             summed = tree_allreduce(dsk, stage_of, [pg.grad_keys for pg in parts],
                                     model.param_nodes, model.home, p, token)
-            scaled = ScaledOptimizer(self.optimizer, r_count, f"{self._uid}-r{r_count}")
+            clip = self.clip_global_norm
+            scaled = ScaledOptimizer(self.optimizer, r_count, f"{self._uid}-r{r_count}", clip)
+            norms: dict[int, Any] = {}
+            if clip is not None:
+                # the global norm of the (replica-averaged) gradients of every stage: a sum
+                # of squares on each stage's worker, added on stage 0's; each replica
+                # computes its own (their gradients are equal after the all-reduce)
+                for r in range(r_count):
+                    parts_r = []
+                    for g, group in enumerate(model.groups):
+                        stage = model.group_stage[g] + r * p
+                        k = make_key("grad", f"sumsq_g{g}", g, token, stage, r)
+                        dsk[k] = Task(k, sumsq_task, r_count,
+                                      *(TaskRef(summed[model.param_nodes[i]]) for i in group))
+                        stage_of[k] = stage
+                        parts_r.append(TaskRef(k))
+                    k = make_key("grad", "norm", 0, token, model.group_stage[0] + r * p, r)
+                    dsk[k] = Task(k, norm_task, *parts_r)
+                    stage_of[k] = model.group_stage[0] + r * p
+                    norms[r] = TaskRef(k)
             updates: dict[tuple[int, int], str] = {}
             for r, g in order:
                 stage = model.group_stage[g] + r * p
                 k = make_key("update", f"g{g}", g, token, stage, r)
                 grads = [TaskRef(summed[model.param_nodes[i]]) for i in model.groups[g]]
                 ref = state_refs[(r, g)]
+                extra = {"norm": norms[r]} if r in norms else {}
                 dsk[k] = Task(k, update_task, scaled, len(model.groups[g]),
-                              TaskRef(ref) if isinstance(ref, str) else ref, *grads)
+                              TaskRef(ref) if isinstance(ref, str) else ref, *grads, **extra)
                 stage_of[k] = stage
                 updates[(r, g)] = k
             dsk[loss_key] = Task(loss_key, mean_task, *(TaskRef(pg.loss_key) for pg in parts))

@@ -69,6 +69,14 @@ class Trainer(StepGraph, Restoring):
     ``remat`` (what each stage keeps for its backward): as in `dd.value_and_grad`
     (pipelined steps on a cluster default to "direct").
 
+    The optimizer runs on each stage's worker, on that stage's parameters (a list of
+    their leaves). One whose updates then differ from its updates of the whole model (a
+    global-norm clip, noise drawn for the whole tree) fails the first step with an
+    `OptimizerError` (checked once on small stand-ins); ``per_stage_optimizer=True``
+    accepts it per stage. ``clip_global_norm=c`` scales every stage's gradients to the
+    global norm c at most before the optimizer, the norm over all stages, as
+    ``optax.chain(optax.clip_by_global_norm(c), optimizer)`` does in one process.
+
     ``recover=True`` (the default) makes training survive a lost worker: every state has
     a second copy on another worker (another replica's; with one replica, a copy of each
     stage's state goes to another worker once `copy_every` steps and `copy_interval`
@@ -90,6 +98,7 @@ class Trainer(StepGraph, Restoring):
                  max_retries: int = 3, copy_every: int = 10,
                  copy_interval: float | None = None,
                  remat: str | Mapping[int, str] | None = None,
+                 clip_global_norm: float | None = None,
                  per_stage_optimizer: bool = False) -> None:
         for label, value in (("replicas", replicas), ("microbatches", microbatches)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -104,6 +113,14 @@ class Trainer(StepGraph, Restoring):
         #: apply the optimizer to each stage's parameters alone even where its updates
         #: then differ from the whole model's (checked on the first step otherwise)
         self.per_stage_optimizer = bool(per_stage_optimizer)
+        if clip_global_norm is not None and (
+                not isinstance(clip_global_norm, (int, float))
+                or isinstance(clip_global_norm, bool) or not clip_global_norm > 0):
+            raise ArgumentError(f"Trainer: clip_global_norm must be a number > 0 (or None), "
+                                f"got {clip_global_norm!r}")
+        #: the gradients of every stage are scaled to this global norm at most before the
+        #: optimizer (``optax.clip_by_global_norm``'s arithmetic, across stages)
+        self.clip_global_norm = None if clip_global_norm is None else float(clip_global_norm)
         self.options = Options.make("dd.Trainer", argnums=0, microbatches=microbatches,
                                     schedule=schedule, batch_argnums=batch_argnums,
                                     batch_axis=batch_axis, stages=stages, placement=placement,
