@@ -52,6 +52,30 @@ def test_bad_microbatch_split_names_the_argument() -> None:
         dd.value_and_grad(loss_fn, microbatches=4)(params, x, t)
 
 
+def test_a_prng_key_argument_is_named_not_split() -> None:
+    """A PRNG key passed after the batch (dropout) was split into microbatches like the
+    batch, and the layer then failed on a uint32[1] "key"; the error now names the key
+    and the batch_argnums that keep it whole, with which the step runs."""
+    from tests.models import dense, mse
+
+    @dd.layer
+    def dropout(x: Any, key: Any) -> Any:
+        return jax.numpy.where(jax.random.bernoulli(key, 0.9, x.shape), x / 0.9, 0.0)
+
+    def loss_fn(params: Any, x: Any, t: Any, key: Any) -> Any:
+        with dd.stage(0):
+            h = dropout(dense(params[0], x), key)
+        with dd.stage(1):
+            return mse(dense(params[1], h), t)
+
+    params, x, t = data(2, batch=8)
+    for key in (jax.random.PRNGKey(3), jax.random.key(3)):
+        with pytest.raises(dd.MicrobatchError, match=r"'key' is a PRNG key.*batch_argnums=\(1, 2\)"):
+            dd.value_and_grad(loss_fn, microbatches=2, schedule="1f1b")(params, x, t, key)
+    loss, _ = dd.value_and_grad(loss_fn, microbatches=2, schedule="1f1b",
+                                batch_argnums=(1, 2))(params, x, t, jax.random.PRNGKey(3))
+    assert np.isfinite(dask.compute(loss, scheduler="sync")[0])
+
 def test_pipeline_needs_stages() -> None:
     params, x, t = data(2)
     with pytest.raises(dd.PlacementError, match="dense"):

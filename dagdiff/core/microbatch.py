@@ -21,6 +21,13 @@ def microbatch_avals(args: Sequence[Any], names: Sequence[str], batch_argnums: S
             if not isinstance(x, (jax.Array, np.ndarray)):
                 return x
             shape = tuple(np.shape(x))
+            if _one_key(x):
+                keep = [j for j in batch_argnums if j != i]
+                raise MicrobatchError(
+                    f"argument {names[i]!r} is a PRNG key ({x.dtype}{list(shape)}), which "
+                    f"cannot be split into {m} microbatches: leave it out of the batch "
+                    f"arguments, e.g. batch_argnums={tuple(keep)!r}, and every microbatch "
+                    "reads the whole key")
             if not shape:
                 raise MicrobatchError(f"argument {names[i]!r} has a scalar leaf; it cannot be "
                                       f"split into {m} microbatches (exclude it with "
@@ -41,3 +48,15 @@ def microbatch_avals(args: Sequence[Any], names: Sequence[str], batch_argnums: S
             return jax.ShapeDtypeStruct(tuple(new), x.dtype)
         out[i] = jax.tree_util.tree_map(shrink, args[i])
     return out
+
+
+def _one_key(x: Any) -> bool:
+    """Whether `x` is one PRNG key: a typed key array of no dimension (`jax.random.key`)
+    or a raw uint32[2] (`jax.random.PRNGKey`); a batch of keys splits like any batch."""
+    dtype = getattr(x, "dtype", None)
+    try:
+        if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+            return np.ndim(x) == 0
+    except TypeError:
+        return False
+    return dtype == np.uint32 and tuple(np.shape(x)) == (2,)
