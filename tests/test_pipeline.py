@@ -70,7 +70,8 @@ def test_a_prng_key_argument_is_named_not_split() -> None:
 
     params, x, t = data(2, batch=8)
     for key in (jax.random.PRNGKey(3), jax.random.key(3)):
-        with pytest.raises(dd.MicrobatchError, match=r"'key' is a PRNG key.*batch_argnums=\(1, 2\)"):
+        with pytest.raises(dd.MicrobatchError,
+                           match=r"'key' is a PRNG key.*batch_argnums=\(1, 2\)"):
             dd.value_and_grad(loss_fn, microbatches=2, schedule="1f1b")(params, x, t, key)
     loss, _ = dd.value_and_grad(loss_fn, microbatches=2, schedule="1f1b",
                                 batch_argnums=(1, 2))(params, x, t, jax.random.PRNGKey(3))

@@ -109,9 +109,10 @@ def check_per_stage(optimizer: Any, leaves: Sequence[Any], groups: Sequence[Sequ
     """Raise `OptimizerError` when `optimizer` applied to each group's parameter leaves
     alone (as a Trainer applies it: a list of the stage's leaves, on the stage's worker)
     gives other updates than applied to all `leaves` at once, over two steps with
-    gradients at two scales (1, and 1e8: every global-norm clip active). Run on small stand-ins of the leaves (each dimension cut
-    to 3, float32, fixed random values), on the CPU: it checks the optimizer's math, not
-    the model's sizes. An optimizer that fails on the stand-ins is left to the real run."""
+    gradients at two scales (1, and 1e8: every global-norm clip active). Run on small
+    stand-ins of the leaves (each dimension cut to 3, float32, fixed random values), on
+    the CPU: it checks the optimizer's math, not the model's sizes. An optimizer that
+    fails on the stand-ins is left to the real run."""
     if len(groups) < 2:
         return
     rng = np.random.default_rng(0)
