@@ -472,6 +472,29 @@ def test_the_client_heap_is_frozen_after_the_first_and_sixteenth_step(monkeypatc
 
 
 @pytest.mark.distributed
+def test_a_fit_stopped_by_a_bad_batch_keeps_every_step_before_it(client2: Any) -> None:
+    """A last batch that does not split into the microbatches (a data loader without
+    drop_last), in the same window as a good one: the good batches all run, the error
+    says how many and where to go on, and `fit` without state= continues from the last
+    finished step (it started over from the fit's first state before: every step of a
+    long fit lost); the parameters equal optax's over the good batches."""
+    params, batches = setup(6)
+    x, t = batches[-1]
+    trainer = dd.Trainer(loss_fn, optax.adam(1e-2), microbatches=4, schedule="1f1b",
+                         client=client2)
+    with pytest.raises(dd.MicrobatchError, match="does not divide into 4") as err:
+        trainer.fit(batches[:5] + [(x[:10], t[:10])], params=params, progress=False,
+                    window=2)
+    assert any("stopped after 5 finished step(s)" in n and "from step 5" in n
+               for n in getattr(err.value, "__notes__", ())), err.value
+    state, losses = trainer.fit([batches[5]], progress=False)
+    assert state.step == 6 and len(losses) == 1
+    want, want_losses = reference(params, batches, optax.adam(1e-2))
+    close(trainer.params(state), want)
+    np.testing.assert_allclose(losses, want_losses[5:], rtol=1e-5)
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize("kind", ["scheduler", "replicas"])
 def test_fit_windows_fall_back_to_one_step_at_a_time(client2: Any, kind: str) -> None:
     """`fit(window=3)` where steps cannot share a window (scheduler dispatch: each step

@@ -17,7 +17,8 @@ from ..cluster.info import (
     lost_workers,
     may_be_a_lost_worker,
 )
-from ..errors import ArgumentError, LostStateError, TrainerError, WorkerLostError
+from ..errors import (ArgumentError, LayerShapeError, LostStateError, MicrobatchError,
+                      PlacementError, TracerError, TrainerError, WorkerLostError)
 from .recovery import Recovery
 from .state import TrainState
 from .window import can_share, submit_window
@@ -209,6 +210,10 @@ class FitRun:
             # this frame, kept alive by the traceback, must not hold the in-flight futures
             group = []
             raise
+        except Exception as e:
+            group = []
+            self.stopped(e)
+            raise
         self.bar.close()
         tr._last = self.finished
         if steps is not None and len(self.losses) < steps:
@@ -224,6 +229,15 @@ class FitRun:
         before = pending[-1].after if pending else self.finished
         try:
             made = submit_window(tr, before, group)
+        except (ArgumentError, MicrobatchError, LayerShapeError, TracerError,
+                PlacementError):
+            if len(group) == 1:
+                raise
+            # a batch of this window cannot be a step (a last batch that does not split
+            # into the microbatches): the batches before it run, one window each
+            for one in group:
+                self.submit([one])
+            return
         except (LostStateError, TrainerError):
             if not pending or not tr.recovering:
                 raise
@@ -258,6 +272,30 @@ class FitRun:
         warnings.warn(f"Trainer.fit interrupted after {len(self.losses)} finished step(s); "
                       f"trainer.fit(...) goes on from step {self.finished.step} (the state "
                       "of the last finished step)", stacklevel=4)
+
+    def stopped(self, error: Exception) -> None:
+        """An error ended the fit (a batch that cannot be a step, such as a last batch
+        that does not split into the microbatches; a failing model): the steps submitted
+        before it end as usual (unless one fails too), the last finished state becomes the
+        trainer's latest, and the error says where the fit stopped and how to go on."""
+        try:
+            while self.pending:
+                self.take_one()
+        except Exception:                    # noqa: BLE001 - the first error is raised
+            self.pending.clear()
+        self.history.clear()
+        self.trainer._last = self.finished
+        self.bar.close()
+        try:
+            n = len(self.losses)
+            error.add_note(
+                f"dagdiff: Trainer.fit stopped after {n} finished step(s) (this fit's "
+                f"batches 0-{n - 1} ran); trainer.fit(...) without state= goes on from "
+                f"step {self.finished.step} (the state of the last finished step)"
+                if n else "dagdiff: Trainer.fit stopped before its first step ended; the "
+                "trainer's latest state is the one it started from")
+        except Exception:                    # noqa: BLE001 - a frozen exception
+            pass
 
     def take_one(self) -> None:
         """Wait for the oldest step in flight: its loss, or recovery when it failed."""
