@@ -431,7 +431,9 @@ class Trainer(StepGraph, Restoring):
         stage's values taken from another replica or their copy, copied again to a second
         live worker first (``recover=True``, at most `max_retries` times
         per step): `fit` returns what an undisturbed run returns. Each recovery is in
-        `trainer.recoveries`. Any other error is raised as it is."""
+        `trainer.recoveries`. Any other error is raised as it is, once the steps before
+        it ended: the last finished state becomes the trainer's latest (a window holding a
+        batch that cannot be a step runs its batches one by one first)."""
         if not (window == "auto" if isinstance(window, str) else
                 isinstance(window, int) and not isinstance(window, bool) and window >= 1):
             raise ArgumentError(f"Trainer.fit: window must be an int >= 1 or 'auto', got "
