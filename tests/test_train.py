@@ -121,6 +121,17 @@ def test_an_optimizer_that_couples_stages_is_refused_unless_asked_per_stage() ->
     with pytest.raises(dd.ArgumentError, match="clip_global_norm must be a number > 0"):
         dd.Trainer(loss_fn, optax.adam(1e-2), clip_global_norm=0)
 
+    # an optimizer keyed on the parameters' tree cannot run on a stage's list of leaves:
+    # said before any step runs, with or without per_stage_optimizer
+    keyed = optax.multi_transform({"a": optax.adam(1e-2), "s": optax.sgd(0.1)},
+                                  [{"w": "a", "b": "s"}, {"w": "a", "b": "s"}])
+    for per_stage in (False, True):
+        trainer = dd.Trainer(loss_fn, keyed, microbatches=2, schedule="1f1b",
+                             per_stage_optimizer=per_stage)
+        state = trainer.init(params)
+        with pytest.raises(dd.OptimizerError, match="list of their leaves.*multi_transform"):
+            trainer.step(state, *batches[0])
+
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("replicas,window", [(1, 1), (2, 3)])

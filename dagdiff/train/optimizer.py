@@ -105,15 +105,28 @@ _CHECK_SCALES = (1.0, 1e8)
 
 
 def check_per_stage(optimizer: Any, leaves: Sequence[Any], groups: Sequence[Sequence[int]],
-                    stages: Sequence[int]) -> None:
+                    stages: Sequence[int], compare: bool = True) -> None:
     """Raise `OptimizerError` when `optimizer` applied to each group's parameter leaves
     alone (as a Trainer applies it: a list of the stage's leaves, on the stage's worker)
     gives other updates than applied to all `leaves` at once, over two steps with
     gradients at two scales (1, and 1e8: every global-norm clip active). Run on small
     stand-ins of the leaves (each dimension cut to 3, float32, fixed random values), on
-    the CPU: it checks the optimizer's math, not the model's sizes. An optimizer that
-    fails on the stand-ins is left to the real run."""
-    if len(groups) < 2:
+    the CPU: it checks the optimizer's math, not the model's sizes. First (and alone with
+    ``compare=False``) the optimizer is evaluated abstractly on the real shapes as a list
+    of leaves: one that fails there (keyed on the parameters' tree) raises too."""
+    avals = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves]
+    try:                # the real shapes, abstractly: what every stage's update will do
+        jax.eval_shape(lambda p: optimizer.update(p, optimizer.init(p), p), avals)
+    except Exception as e:                    # noqa: BLE001 - re-raised with the facts
+        raise OptimizerError(
+            f"dd.Trainer: the optimizer fails on the model's parameters given as a list of "
+            f"their leaves ({type(e).__name__}: {str(e)[:300]}), which is how dagdiff "
+            "applies it, to each stage's leaves on the stage's worker. A transform keyed "
+            "on the parameters' tree (optax.multi_transform or optax.masked with a label "
+            "or mask tree, or a function that reads dict keys) cannot run there: give "
+            "every parameter one optimizer, or a mask function that works on a list of "
+            "arrays (e.g. lambda p: [x.ndim > 1 for x in p])") from e
+    if len(groups) < 2 or not compare:
         return
     rng = np.random.default_rng(0)
     cpu = jax.devices("cpu")[0]

@@ -293,8 +293,9 @@ class Trainer(StepGraph, Restoring):
         out = StepModel(model, home, [n.index for n in param_nodes],
                      [n.index for n in batch_nodes], tuple(tuple(g) for g in groups),
                      [st for st, _ in sorted(group_of_stage.items(), key=lambda kv: kv[1])], p)
-        if not self.per_stage_optimizer and out.groups not in self._checked:
-            check_per_stage(self.optimizer, self._template, out.groups, out.group_stage)
+        if out.groups not in self._checked:
+            check_per_stage(self.optimizer, self._template, out.groups, out.group_stage,
+                            compare=not self.per_stage_optimizer)
             self._checked.add(out.groups)
         self._cache[key] = out
         return out
