@@ -7,7 +7,9 @@ plugin), run each checkout in its own process, in turns (A, B, A, B, ...), on th
   value_and_grad  `client.compute` of the loss and every gradient leaf; the loss read, the
                   gradients waited for (kept on the workers);
   trainer.step    `state, loss = trainer.step(state, x, t); loss.result()` (sgd);
-  step.compute    the values on the client.
+  step.compute    the values on the client;
+  fit             `trainer.fit` (adam, its default windows) over 4 x `--steps` batches: per
+                  step.
 Prints each process's medians, then per kind the median over processes and new / old.
 `--model tied`: the first layer's weights applied again on stage 1 (`tied_stage_loss`);
 `--model unused`: one more layer the loss never reads (`unused_leaf_loss`).
@@ -28,7 +30,7 @@ import sys
 import time
 from typing import Any
 
-KINDS = ("value_and_grad", "trainer.step", "step.compute")
+KINDS = ("value_and_grad", "trainer.step", "step.compute", "fit")
 
 
 def child(steps: int, microbatches: int, model: str = "mlp") -> dict[str, list[float]]:
@@ -70,12 +72,26 @@ def child(steps: int, microbatches: int, model: str = "mlp") -> dict[str, list[f
         state, loss = trainer.step(state, x, t)
         loss.result()
 
+    fitter = dd.Trainer(loss_fn, optax.adam(1e-3), microbatches=microbatches,
+                        schedule="1f1b", client=client)
+    fit_state, _ = fitter.fit([data[i % len(data)] for i in range(32)], params=params,
+                              progress=False)
+
+    def fit_per_step() -> float:
+        nonlocal fit_state
+        n = 4 * steps
+        t0 = time.perf_counter()
+        fit_state, _ = fitter.fit([data[i % len(data)] for i in range(n)], state=fit_state,
+                                  progress=False)
+        return 1e3 * (time.perf_counter() - t0) / n
+
     with client.as_current():
         for _ in range(2):
             out["value_and_grad"].append(timed(vg))
             out["trainer.step"].append(timed(tr))
             out["step.compute"].append(timed(
                 lambda x, t: step.compute(params, x, t, client=client)))
+            out["fit"].append(fit_per_step())
     client.close()
     cluster.close()
     return out
