@@ -145,7 +145,7 @@ def check_per_stage(optimizer: Any, leaves: Sequence[Any], groups: Sequence[Sequ
             except Exception:                 # noqa: BLE001 - the real run will say
                 return
             parts: list[Any] = [None] * len(leaves)
-            for g, (group, stage) in enumerate(zip(groups, stages)):
+            for group, stage in zip(groups, stages):
                 try:
                     got = _checked_steps(optimizer, [params[i] for i in group],
                                          [grads[i] for i in group])
@@ -161,7 +161,7 @@ def check_per_stage(optimizer: Any, leaves: Sequence[Any], groups: Sequence[Sequ
                 for i, u in zip(group, got):
                     parts[i] = u
             top = max(float(np.max(np.abs(u))) if u.size else 0.0 for u in whole) or 1.0
-            for g, (group, stage) in enumerate(zip(groups, stages)):
+            for group, stage in zip(groups, stages):
                 for i in group:
                     if not np.allclose(parts[i], whole[i], rtol=1e-4, atol=1e-5 * top):
                         raise OptimizerError(
