@@ -113,7 +113,6 @@ class StepLoss(Future):
             got = box.take([str(self.key)], [self], timeout)
             if got is not None:
                 self._pushed = (got[str(self.key)],)
-                box.trail([self])             # its programs end a moment later
             elif timeout is not None:               # what is left of it for Dask
                 timeout = max(0.0, timeout - (time.monotonic() - start))
         if self._pushed is not None:
