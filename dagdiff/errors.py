@@ -69,6 +69,17 @@ class DirectDispatchError(DagdiffError, RuntimeError):
     the step was cancelled), a program ran on a worker it was not built for, or the
     schedule would deadlock."""
 
+    #: the worker a program was built for, when it ran on another one (that worker was
+    #: lost and Dask ran the program again on a replacement): recovery's lost worker
+    address: str | None = None
+
+    @classmethod
+    def built_for_another(cls, address: str, message: str) -> "DirectDispatchError":
+        """The error of a program run on a worker other than the one at `address`."""
+        error = cls(message)
+        error.address = address
+        return error
+
 
 class UpstreamError(DagdiffError, RuntimeError):
     """An input of this task failed on its own worker (the message names the first failure)."""

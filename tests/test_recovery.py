@@ -702,3 +702,87 @@ def test_the_last_live_worker_lost_costs_a_scatter_of_the_clients_copy() -> None
     finally:
         client.close()
         cluster.close()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("cluster_client", [3], indirect=True)
+def test_a_worker_lost_while_fit_copies_its_final_state(cluster_client: Any) -> None:
+    """The worker of stage 1's final values SIGKILLed as `fit` makes their copies (after
+    the last step ended, before `fit` returns: a fresh-clone CI run saw it as a
+    `LostStateError` from `trainer.params`): the copies fail with their source, and `fit`
+    makes its final state again (from the newest state that survives, through the steps
+    since) before it returns; the state it returns is whole, with landed copies, and equals
+    plain JAX + optax."""
+    client = cluster_client
+    opt = optax.adam(1e-2)
+    params, batches = make_data(5)
+    trainer = dd.Trainer(loss_fn, opt, microbatches=4, schedule="1f1b", client=client)
+    original = trainer._with_copy
+    calls: list[int] = []
+
+    def kill_then_copy(state: Any, batch: Any) -> Any:
+        calls.append(state.step)
+        if len(calls) == 2:                          # fit's end: its final state
+            victim = state.where[(0, 1)]
+            os.kill(_pids(client)[victim], signal.SIGKILL)
+            deadline = time.time() + 60
+            while victim in client.scheduler_info()["workers"] and time.time() < deadline:
+                time.sleep(0.05)
+        return original(state, batch)
+
+    trainer._with_copy = kill_then_copy               # type: ignore[method-assign]
+    state, losses = trainer.fit(batches, params=params, progress=False, window=1)
+    assert len(calls) >= 2 and calls[1] == len(batches)
+    assert state.step == len(batches)
+    p, want = M.optax_reference(loss_fn, opt, params, batches)
+    np.testing.assert_allclose(losses, want, rtol=1e-5)
+    assert all(f.status == "finished" for f in state.placed.values()), state.placed
+    assert state.backup and all(getattr(f, "status", "finished") == "finished"
+                                for f in state.backup.values()), state.backup
+    assert trainer.recoveries, "the lost final state was not made again"
+    close(trainer.params(state), p, rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("cluster_client", [2], indirect=True)
+def test_params_of_a_state_lost_with_its_copies_makes_it_again(cluster_client: Any) -> None:
+    """A step loop's newest state and its copies lost together (the worker killed before
+    the copies landed; here they are cancelled so it always happens): `trainer.params`
+    makes the state again through its lineage, as `recover` does, instead of raising
+    `LostStateError`, and equals plain JAX + optax."""
+    client = cluster_client
+    opt = optax.sgd(0.05)
+    params, batches = make_data(3)
+    trainer = dd.Trainer(loss_fn, opt, microbatches=4, schedule="1f1b", client=client,
+                         copy_every=1, copy_interval=0)
+    state = trainer.init(params)
+    for x, t in batches:
+        state, loss = trainer.step(state, x, t)
+        loss.result()
+    assert state.backup
+    client.cancel(list(state.backup.values()))
+    victim = state.where[(0, 1)]
+    os.kill(_pids(client)[victim], signal.SIGKILL)
+    deadline = time.time() + 60
+    while victim in client.scheduler_info()["workers"] and time.time() < deadline:
+        time.sleep(0.05)
+    p, _ = M.optax_reference(loss_fn, opt, params, batches)
+    close(trainer.params(state), p, rtol=2e-4, atol=2e-5)
+    assert trainer.recoveries
+
+
+def _built_for_another() -> None:
+    from dagdiff.errors import DirectDispatchError
+    raise DirectDispatchError.built_for_another("tcp://10.0.0.9:4242", "built for another")
+
+
+def test_a_program_run_on_a_replacement_names_the_lost_worker(client2: Any) -> None:
+    """The error of a program Dask ran again on a replacement carries the address it was
+    built for through Dask to the client: `fit`'s recovery counts that worker as lost
+    (the step that read its values ran on live workers only)."""
+    from dagdiff.cluster.info import lost_workers
+    from dagdiff.errors import DirectDispatchError
+    error = client2.submit(_built_for_another, pure=False).exception()
+    assert isinstance(error, DirectDispatchError) and error.address == "tcp://10.0.0.9:4242"
+    live = next(iter(client2.scheduler_info()["workers"]))
+    assert lost_workers(client2, {live, error.address}, wait=0) == ("tcp://10.0.0.9:4242",)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import dask
 import jax
+from distributed import Future
 
 from ..cluster.info import (
     forget_workers,
@@ -203,8 +204,7 @@ class FitRun:
                 # cluster scales down): it gets a copy on another worker when it has none,
                 # and fit returns once its copies are there (a worker scaled away right
                 # after could otherwise take a copy's source with it)
-                self.finished = tr._with_copy(self.finished, batch)
-                tr._await_copies(self.finished)
+                self.keep_final(batch)
         except KeyboardInterrupt:
             self.interrupted()
             # this frame, kept alive by the traceback, must not hold the in-flight futures
@@ -221,6 +221,36 @@ class FitRun:
                           f"steps={steps} steps; pass more batches (e.g. "
                           "itertools.cycle(batches)) to train longer", stacklevel=3)
         return self.finished, self.losses
+
+    def keep_final(self, batch: Sequence[Any]) -> None:
+        """Give the final state a copy on another worker (when it has none) and wait for
+        the copies to land. A worker lost meanwhile (its values were the copies' source,
+        or it held a copy) leaves the state without a whole copy: it is made again as
+        `Trainer.recover` makes it (from the newest state that survives, through the
+        steps since) and copied again, up to `max_retries` times."""
+        tr = self.trainer
+        for _ in range(tr.max_retries + 1):
+            self.finished = tr._with_copy(self.finished, batch)
+            tr._await_copies(self.finished)
+            state = self.finished
+            if not tr.recovering or not any(
+                    getattr(f, "status", None) in ("error", "cancelled", "lost")
+                    for f in (*(state.placed or {}).values(), *(state.backup or {}).values())
+                    if isinstance(f, Future)):
+                return                            # no copy failed, no value was lost
+            loss = self.finished.loss
+            remade = tr.recover(self.finished)
+            if remade is self.finished:           # its values are held: a copy was lost
+                remade = dataclasses.replace(remade, backup=None)
+            else:
+                log.warning("dagdiff: Trainer.fit made its final state (step %d) again: a "
+                            "worker was lost while its copies were made", remade.step)
+            self.finished = dataclasses.replace(remade, loss=float(result_of(remade.loss))
+                                                if remade.loss is not None else loss)
+        raise LostStateError(
+            f"Trainer.fit: the final state (step {self.finished.step}) lost its copies "
+            f"{tr.max_retries + 1} times in a row (workers keep being lost); "
+            "trainer.recover(state) makes it again once the cluster is stable")
 
     def submit(self, group: list[tuple[Any, ...]]) -> None:
         """Submit the steps of `group` (one window) after those in flight, then wait for
@@ -343,8 +373,14 @@ class FitRun:
         if not tr.recovering or tr.client is None or self.retries >= tr.max_retries:
             raise error
         t0, wall = time.monotonic(), time.time()
+        # the workers the step ran on, those of the state it read, and the one a program
+        # run again on a replacement was built for (Dask ran an earlier step's program
+        # again when a value the step reads was lost with its worker)
+        ran_on = {*(entry.after.where or {}).values(), *(entry.before.where or {}).values()}
+        if getattr(error, "address", None):
+            ran_on.add(error.address)             # type: ignore[attr-defined]
         gone = (error.workers if isinstance(error, WorkerLostError)  # the loss found them
-                else lost_workers(tr.client, set((entry.after.where or {}).values()),
+                else lost_workers(tr.client, ran_on,
                                   wait=10.0 if may_be_a_lost_worker(error) else 0.0))
         if not gone:
             raise error                           # the model failed, not a worker

@@ -44,7 +44,8 @@ from ..cluster.info import (
 from ..cluster.targets import Targets, resolve_targets
 from ..core.forms import ModelForm, lower_args
 from ..core.tracer import home_stages
-from ..errors import ArgumentError, MicrobatchError, PlacementError, TrainerError
+from ..errors import (ArgumentError, LostStateError, MicrobatchError, PlacementError,
+                      TrainerError)
 from ..extras import available, require
 from .fit import FitRun, NoBar
 from .optimizer import check_per_stage
@@ -221,7 +222,14 @@ class Trainer(StepGraph, Restoring):
         if self.client is None:
             parts = [state.placed[(0, g)] for g in range(ngroups)]
         else:
-            whole = self._whole(state)
+            try:
+                whole = self._whole(state)
+            except LostStateError:
+                if state.lineage is None:         # nothing to make it again from
+                    raise
+                # its values and its copies were lost (a worker killed before the copies
+                # landed): make it again through the steps since a state that survives
+                whole = self.recover(state)
             try:
                 parts = self.client.gather([whole.placed[(0, g)] for g in range(ngroups)])
             except Exception:

@@ -293,7 +293,8 @@ class DirectRuntime:
              task: str = "", secede: bool = True, number: int | None = None,
              close: bool = True) -> dict[str, Any]:
         if self.worker.address != prog.address:
-            raise DirectDispatchError(
+            raise DirectDispatchError.built_for_another(
+                prog.address,
                 f"{prog.key}: the step was built for {prog.where}'s worker at {prog.address}, "
                 f"but runs on {self.worker.address} (the worker was lost or restarted since, "
                 "and Dask runs the program again on its replacement while the other workers "
