@@ -55,13 +55,27 @@ def test_the_instance_attributes_are_there_on_a_running_cluster() -> None:
         assert internals.task_stream_record(scheduler, "k-1", 1.0, 2.0, "w")
         assert plugin.buffer[-1]["key"] == "k-1", "the task stream's record format"
 
-        def worker_side() -> tuple[bool, bool]:
-            w = get_worker()
-            return (isinstance(w.batched_stream.interval, float),
-                    isinstance(internals.scheduler_delay(w), float))
+        import collections
 
-        assert client.submit(worker_side).result() == (True, True), \
-            "Worker.batched_stream.interval / Worker.scheduler_delay"
+        assert isinstance(stream.recent_message_log, collections.deque), \
+            "BatchedSend.recent_message_log"
+        internals.bound_message_log(stream, 3)
+        assert stream.recent_message_log.maxlen == 3, "BatchedSend.recent_message_log"
+        assert callable(scheduler._broker.truncate), "Scheduler._broker.truncate"
+        scheduler.log_event("dagdiff-guard", {"x": 1})
+        internals.forget_topic_events(scheduler, "dagdiff-guard")
+        assert not scheduler._broker._topics["dagdiff-guard"].events, "Broker.truncate"
+
+        def worker_side() -> tuple[bool, bool, bool]:
+            w = get_worker()
+            task = next(t for k, t in w.state.tasks.items() if t.state == "executing")
+            links = all(isinstance(getattr(task, a), set)
+                        for a in ("dependencies", "dependents", "waiters"))
+            return (isinstance(w.batched_stream.interval, float),
+                    isinstance(internals.scheduler_delay(w), float), links)
+
+        assert client.submit(worker_side).result() == (True, True, True), \
+            "Worker.batched_stream.interval / Worker.scheduler_delay / TaskState links"
 
 
 def test_a_comm_takes_the_deserialize_switch() -> None:

@@ -5,7 +5,8 @@ one fails that test, naming it, instead of a pipeline step somewhere.
 
 Public API is used wherever it exists; what is left here has no public equivalent:
 - scheduler <-> worker batched streams: their flush interval (`BatchedSend.interval`),
-  lowered for pipeline hops (`Scheduler.stream_comms`, `Worker.batched_stream`);
+  lowered for pipeline hops (`Scheduler.stream_comms`, `Worker.batched_stream`), and
+  their debugging log of recent payloads (`BatchedSend.recent_message_log`), shortened;
 - task placement after submission: `TaskState.worker_restrictions` /
   `loose_restrictions` (a VJP task pinned to its forward's worker), and the task a
   scheduler TaskState runs (`TaskState.run_spec`: which forward a VJP task reads; a
@@ -16,15 +17,21 @@ Public API is used wherever it exists; what is left here has no public equivalen
   `merge_and_deserialize`, NumPy's (de)serializers;
 - the socket under a tcp/tls comm (`TCP.stream`, tornado's read buffer), handed from the
   event loop to direct dispatch's lane threads (`take_socket`);
-- the task-stream plugin's record format (its `transition` hook);
+- the task-stream plugin's record format (its `transition` hook), and the events the
+  scheduler keeps of a topic (`Broker.truncate`: the workers' action reports);
 - `SpecCluster`'s worker-status hook and state correction (`_update_worker_status`,
-  `_correct_state`).
+  `_correct_state`);
+- the worker's task states (`Worker.state.tasks`, `TaskState.dependencies` /
+  `dependents`): `cut_released_lineage` lets a worker forget the released tasks a chain
+  of steps leaves behind (see there).
 """
 from __future__ import annotations
 
+import collections
 import socket
 from typing import Any, Mapping
 
+import dask
 from distributed.core import Status
 from distributed.deploy.cluster import Cluster
 from distributed.protocol.numpy import deserialize_numpy_ndarray, serialize_numpy_ndarray
@@ -33,10 +40,11 @@ from distributed.protocol.serialize import merge_and_deserialize
 
 __all__ = ["DONT_REPLY", "merge_and_deserialize", "serialize_numpy_ndarray",
            "deserialize_numpy_ndarray", "stream_comms", "worker_stream", "client_stream",
-           "scheduler_client_stream", "shorten_interval",
+           "scheduler_client_stream", "shorten_interval", "bound_message_log",
+           "forget_topic_events",
            "pin_task", "unpin_task", "task_pinned", "amm_policies", "scheduler_delay", "raw_comm",
            "inline_writes", "take_socket", "task_stream_record", "cluster_status_hook",
-           "correct_state", "task_spec", "set_task_spec", "REQUIRED"]
+           "correct_state", "task_spec", "set_task_spec", "cut_released_lineage", "REQUIRED"]
 
 #: a handler's return value that tells distributed not to answer on the comm
 DONT_REPLY = Status.dont_reply
@@ -57,12 +65,16 @@ REQUIRED: tuple[tuple[str, str], ...] = (
     ("Scheduler instance", "stream_comms"),
     ("Scheduler instance", "client_comms"),
     ("Client instance", "scheduler_comm.interval"),
+    ("BatchedSend instance", "recent_message_log (a deque)"),
+    ("Scheduler instance", "_broker.truncate"),
     ("Scheduler instance", "extensions['amm'].policies"),
     ("Scheduler instance", "plugins['task-stream'].transition"),
     ("Worker instance", "batched_stream.interval"),
     ("Worker instance", "scheduler_delay"),
     ("Comm instance", "deserialize"),
     ("tcp Comm instance", "stream.socket, stream._read_buffer_size (take_socket)"),
+    ("Worker instance", "state.tasks[key].dependencies / .dependents / .state"),
+    ("distributed.worker_state_machine.WorkerState", "_transitions"),
 )
 
 #: the name distributed's TaskStreamPlugin registers under
@@ -96,6 +108,38 @@ def shorten_interval(stream: Any, seconds: float | None) -> None:
     interval = getattr(stream, "interval", None)
     if isinstance(interval, (int, float)) and seconds is not None and seconds < interval:
         stream.interval = seconds
+
+
+#: dask config key: how many of its latest payloads each message stream dagdiff tunes
+#: keeps for debugging (`bound_message_log`)
+MESSAGE_LOG_KEY = "dagdiff.message-log-length"
+
+
+def bound_message_log(stream: Any, length: int | None = None) -> None:
+    """Keep only the last `length` payloads (dask config ``dagdiff.message-log-length``,
+    default 16) in a BatchedSend's debugging log (``recent_message_log``; distributed
+    keeps ``distributed.admin.low-level-log-length``, 1000, of every payload under 1 MB).
+    dagdiff's payloads carry whole steps: a window's graph with its batches from the
+    client, its programs and batches to each worker. 1000 of them kept every batch of
+    the last ~1000 windows alive in the client and the scheduler (measured: the client
+    grew ~17 MB per 1000 steps of 16 KB batches, in windows, all of it these logs)."""
+    log_ = getattr(stream, "recent_message_log", None)
+    if log_ is None:
+        return
+    if length is None:
+        length = int(dask.config.get(MESSAGE_LOG_KEY, 16))
+    if log_.maxlen is None or log_.maxlen > length:
+        stream.recent_message_log = collections.deque(log_, maxlen=max(0, length))
+
+
+def forget_topic_events(scheduler: Any, topic: str) -> None:
+    """Drop the events the scheduler keeps of `topic` (``Broker.truncate``): the workers'
+    action reports (`dagdiff.runtime.live`) are consumed as they come, and the scheduler
+    would otherwise keep the last 1000 of them (each 0.1 s of a worker's actions: tens of
+    MB on a fast job)."""
+    broker = getattr(scheduler, "_broker", None)
+    if broker is not None:
+        broker.truncate(topic)
 
 
 def pin_task(ts: Any, workers: set[str]) -> None:
@@ -200,3 +244,55 @@ def cluster_status_hook(cluster: Any, base: type, op: str, msg: Any, *,
 def correct_state(cluster: Any) -> None:
     """Wait until a SpecCluster has started the workers of its spec."""
     cluster.sync(cluster._correct_state)
+
+
+#: worker task states whose task has run: it no longer reads its dependencies
+_COMPUTED = frozenset({"memory", "released", "error"})
+
+
+def cut_released_lineage(worker: Any, key: str) -> int:
+    """Unlink the worker's task `key` from the links that keep released tasks alive, and
+    forget the released tasks left with nothing depending on them; how many it forgot.
+    Call it on the worker's event loop, outside a transition.
+
+    distributed's worker forgets a released task only once no task of its own depends
+    on it, and a finished task keeps its links to its dependencies. A chain of steps,
+    each reading the state the one before made (a Trainer's picks, on one worker), thus
+    kept every released step of the chain, its task and its arguments (each step's
+    programs and batch), behind the newest state in memory, long after the scheduler
+    forgot them: a worker's memory grew by each batch it read (~75 KB a step with 64 KB
+    batches). A finished task (memory, released, error) reads no dependency again, and a
+    released one was let go by the scheduler (a task computed again gets its
+    dependencies anew with its ``compute-task``): each such link is cut, from `key` to
+    its released dependencies and, when `key` is released, from its finished dependents
+    to it."""
+    state = getattr(worker, "state", None)
+    tasks = getattr(state, "tasks", None)
+    ts = tasks.get(key) if tasks is not None else None
+    if ts is None:
+        return 0
+    loose = []
+    if ts.state in _COMPUTED:
+        for dep in list(ts.dependencies):
+            if dep.state == "released":
+                ts.dependencies.discard(dep)
+                dep.dependents.discard(ts)
+                dep.waiters.discard(ts)           # a finished task waits for nothing
+                loose.append(dep)
+    if ts.state == "released":
+        for dts in list(ts.dependents):
+            if dts.state in _COMPUTED:
+                ts.dependents.discard(dts)
+                ts.waiters.discard(dts)
+                dts.dependencies.discard(ts)
+        loose.append(ts)
+    recs = {t: "forgotten" for t in loose
+            if t.state == "released" and not t.dependents and not t.waiters}
+    if recs:
+        # what `handle_stimulus` runs for an event; released -> forgotten only purges
+        # the task's state, so there are no instructions for the worker to carry out
+        instructions = state._transitions(recs, stimulus_id=f"dagdiff-cut-lineage-{key}")
+        for inst in instructions:                 # none expected; messages if any
+            if hasattr(inst, "to_dict") and hasattr(worker, "batched_send"):
+                worker.batched_send(inst.to_dict())
+    return len(recs)

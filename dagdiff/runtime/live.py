@@ -22,7 +22,7 @@ import dask
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.metrics import time as now
 
-from .internals import scheduler_delay, task_stream_record
+from .internals import forget_topic_events, scheduler_delay, task_stream_record
 
 
 __all__ = ["TOPIC", "MARKER", "ROW", "INTERVAL", "enabled", "ActionReporter", "LiveActions",
@@ -95,6 +95,8 @@ class LiveActions(SchedulerPlugin):
     def log_event(self, topic: str, msg: Any) -> None:
         if topic != TOPIC or self.scheduler is None or not isinstance(msg, dict):
             return
+        # the report is used up here: the scheduler need not keep it (`forget_topic_events`)
+        forget_topic_events(self.scheduler, TOPIC)
         worker, program = msg.get("worker"), msg.get("program")
         for key, start, stop in msg.get("actions", ()):
             if not task_stream_record(self.scheduler, key, start, stop, worker, thread=ROW,

@@ -23,9 +23,10 @@ from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 
 from .direct import install
 from .direct.runtime import NONCE_TAKERS, PEER_LOST_OP, stamp_run_nonces
-from .internals import (amm_policies, client_stream, pin_task, scheduler_client_stream,
-                        set_task_spec, shorten_interval, stream_comms, task_spec, unpin_task,
-                        worker_stream)
+from .internals import (amm_policies, bound_message_log, client_stream,
+                        cut_released_lineage, pin_task, scheduler_client_stream,
+                        set_task_spec, shorten_interval, stream_comms, task_spec,
+                        unpin_task, worker_stream)
 from .live import LiveActions
 from .serialize import register
 from .tasks import pullback_of
@@ -80,7 +81,9 @@ class ColocateVJP(SchedulerPlugin):
     def add_worker(self, scheduler: Any = None, worker: Any = None) -> None:
         """Low-latency mode: flush scheduler->worker messages every `_latency()` s (5 ms in
         distributed), so a dependent chain of tasks waits less between hops."""
-        shorten_interval(stream_comms(self.scheduler).get(worker), _latency())
+        stream = stream_comms(self.scheduler).get(worker)
+        shorten_interval(stream, _latency())
+        bound_message_log(stream)
         self._announce("add", worker)
 
     def remove_worker(self, scheduler: Any = None, worker: Any = None, **kwargs: Any) -> None:
@@ -109,7 +112,9 @@ class ColocateVJP(SchedulerPlugin):
                      **kwargs: Any) -> None:
         """Note the forward tasks the new graph's backward tasks read pullbacks from; and
         answer the submitting client every `_latency()` s (2 ms in distributed)."""
-        shorten_interval(scheduler_client_stream(scheduler, client), _latency())
+        stream = scheduler_client_stream(scheduler, client)
+        shorten_interval(stream, _latency())
+        bound_message_log(stream)
         known = scheduler.tasks
         for k in tasks:
             f = pullback_of(task_spec(known.get(k)))
@@ -166,13 +171,22 @@ class LoadDagdiff(WorkerPlugin):
     #: a second client's registration keeps the workers' copy (distributed would otherwise
     #: tear down and set up the plugin on every worker)
     idempotent = True
+    worker: Any = None
 
     def setup(self, worker: Any) -> None:
         register()                  # sizeof and serializers of jax arrays (idempotent)
         configure_worker_jax(worker)   # no effect once the process computed with JAX
         self.runtime = install(worker)
+        self.worker = worker
         # worker->scheduler: 2 ms by default
         shorten_interval(worker_stream(worker), _latency())
+        bound_message_log(worker_stream(worker))
+
+    def _cut(self, key: str) -> None:
+        try:
+            cut_released_lineage(self.worker, key)
+        except Exception:                  # noqa: BLE001 - never fail the worker for it
+            log.debug("dagdiff: could not let go of the tasks behind %s", key, exc_info=True)
 
     def teardown(self, worker: Any) -> None:
         """Nothing to undo: the runtime belongs to the worker (its extension ``"dagdiff"``,
@@ -183,10 +197,15 @@ class LoadDagdiff(WorkerPlugin):
     def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:
         """Log when each task starts (exact per-worker order for `dd.record`); a running
         direct-dispatch program released by the scheduler (the client let go of the
-        step, e.g. after an error) wakes and stops."""
+        step, e.g. after an error) wakes and stops; a task that finished or was released
+        lets go of the released tasks behind it (`internals.cut_released_lineage`: a
+        chain of steps kept every step's programs and batch on the worker)."""
         rt = getattr(self, "runtime", None)
         if rt is None or not isinstance(key, str):
             return
+        if finish in ("memory", "released") and self.worker is not None:
+            # after this transition: the worker's state may not change inside it
+            self.worker.loop.add_callback(self._cut, key)
         if finish == "executing":
             rt.started(key)
         elif start in ("executing", "long-running") and finish in ("released", "cancelled"):
@@ -222,6 +241,7 @@ def ensure_colocation(client: Any) -> bool:
     scheduler to flush every `_latency()` s (distributed: 10 ms, a step's first wait; set
     again per call, as a reconnected client has a new stream)."""
     shorten_interval(client_stream(client), _latency())
+    bound_message_log(client_stream(client))
     if client in _registered:
         return True
     try:
