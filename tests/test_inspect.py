@@ -276,6 +276,36 @@ def test_recording_steps_whose_values_came_by_push_shows_every_program(
 
 
 @pytest.mark.distributed
+def test_recording_a_trainer_step_shows_every_program(client4: Any, tmp_path: Any) -> None:
+    """A `Trainer.step` whose loss came by push, read inside the block, a moment before
+    its programs' tasks end (the README's `dd.record` example, and `python -m dagdiff demo
+    --timeline`, which a fresh-clone CI run saw fail: the recording held no task and the
+    timeline's legend had no column): each of several recorded steps shows all of its
+    actions, and a recording of nothing draws an empty timeline."""
+    import optax
+
+    params, x, t = data(4, batch=32)
+    tr = dd.Trainer(make_loss(4), optax.sgd(0.01), microbatches=8, schedule="1f1b",
+                    client=client4)
+    state = tr.init(params)
+    for _ in range(2):
+        state, loss = tr.step(state, x, t)
+        loss.result()
+    for i in range(4):
+        with dd.record(client4) as rec:
+            state, loss = tr.step(state, x, t)
+            loss.result()
+        fb = [r for r in rec.compute_tasks() if r.phase in ("F", "B")]
+        assert len(fb) == 4 * 8 * 2, (i, sorted({r.worker for r in fb}))
+    rec.timeline(str(tmp_path / "step.png"))
+    with dd.record(client4) as empty:
+        pass
+    assert not empty.tasks
+    empty.timeline(str(tmp_path / "empty.png"))
+    assert (tmp_path / "empty.png").stat().st_size > 0
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize("window", [1, 4])
 def test_recording_a_fit_shows_every_steps_actions_in_windows_too(
         client4: Any, window: int) -> None:

@@ -27,6 +27,8 @@ __all__ = ["record", "SETTLE_FOR"]
 
 #: seconds `record` waits at its end for steps whose values came by push to end
 SETTLE_FOR = 2.0
+#: key prefixes of direct-dispatch program tasks (`dagdiff.core.keys.make_key`)
+PROGRAM_PREFIXES = ("prog_",)
 
 
 @contextlib.contextmanager
@@ -90,11 +92,29 @@ def record(client: Any = None) -> Iterator[Recording]:
 
 
 def _settle(client: Any) -> None:
-    """Wait (at most `SETTLE_FOR` s) for the tasks of steps whose values the client took
-    by push to end: their programs are in the task stream only once they did."""
+    """Wait (at most `SETTLE_FOR` s in all) for the tasks of steps whose values the client
+    took by push to end, and for the program tasks the scheduler still has running (a
+    `Trainer.step`'s loss comes by push while its program task ends): a program is in
+    the task stream only once the scheduler heard of its end."""
+    give_up = time.monotonic() + SETTLE_FOR
     box = inbox_for(client, make=False)
     if box is not None:
         box.settle(SETTLE_FOR)
+    while time.monotonic() < give_up:
+        try:
+            running = client.run_on_scheduler(_programs_running)
+        except Exception:                   # noqa: BLE001 - a closing client: nothing to wait
+            return
+        if not running:
+            return
+        time.sleep(0.02)
+
+
+def _programs_running(dask_scheduler: Any = None) -> int:
+    """How many direct-dispatch program tasks the scheduler has processing."""
+    return sum(1 for ts in dask_scheduler.tasks.values()
+               if ts.state == "processing" and isinstance(ts.key, str)
+               and ts.key.startswith(PROGRAM_PREFIXES))
 
 
 def _stop_sampling(dask_worker: Any = None) -> list[MemorySample]:

@@ -307,9 +307,11 @@ class Recording:
         ax.set_title(title or f"makespan {self.makespan():.3f} s, bubble {bf.overall:.1%}")
         order = [p for p in ("F", "B", "I", "W", "add", "grad", "loss", "transfer", "other")
                  if p in seen]
-        ax.legend(handles=[Patch(facecolor=PHASE_COLORS[p], edgecolor="black", label=p,
-                                 hatch="////" if p == "transfer" else None) for p in order],
-                  loc="upper right", fontsize=7, ncol=len(order))
+        if order:                           # an empty recording draws no legend
+            ax.legend(handles=[Patch(facecolor=PHASE_COLORS[p], edgecolor="black", label=p,
+                                     hatch="////" if p == "transfer" else None)
+                               for p in order],
+                      loc="upper right", fontsize=7, ncol=len(order))
         fig.tight_layout()
         if path is not None:
             fig.savefig(path, dpi=110)
