@@ -201,6 +201,7 @@ def test_unstarted_runs_are_kept_for_twice_their_timeout(monkeypatch: Any) -> No
     class Worker:
         address = "inproc://x/1/1"
         handlers: dict[str, Any] = {}
+        stream_handlers: dict[str, Any] = {}
         extensions: dict[str, Any] = {}
 
     monkeypatch.setattr(rt_mod, "STALE_AFTER", 10.0)
@@ -267,10 +268,13 @@ def test_messages_arrive_in_order(where: str, request: Any) -> None:
     assert got == [f"k{i}" for i in range(300)]
 
 
-def _send_from_a_program_thread(to: str, run: str, dask_worker: Any) -> list[str]:
+async def _send_from_a_program_thread(to: str, run: str, dask_worker: Any) -> list[str]:
     """Send small and large values alternately from a thread that runs no event loop (as
     a program does): small ones are written by this thread, large ones by the lane's
-    writer thread; returns the errors `done` was told of."""
+    writer thread; returns the errors `done` was told of. The worker's event loop stays
+    free meanwhile (it connects the lane)."""
+    import asyncio
+
     rt = dask_worker.extensions["dagdiff"]
     errors: list[str] = []
     done = threading.Event()
@@ -290,10 +294,14 @@ def _send_from_a_program_thread(to: str, run: str, dask_worker: Any) -> list[str
             n = 3 if i % 3 else 50_000               # 400 KB: over lanes.INLINE_WRITE
             rt.transport.send(to, Value(run, f"k{i}", 1, pack(np.full(n, float(i)))), told)
 
-    t = threading.Thread(target=body)
-    t.start()
-    t.join()
-    assert done.wait(60), "not every send was told of its outcome"
+    def send_all() -> bool:
+        t = threading.Thread(target=body)
+        t.start()
+        t.join()
+        return done.wait(60)
+
+    assert await asyncio.get_running_loop().run_in_executor(None, send_all), \
+        "not every send was told of its outcome"
     return errors
 
 
@@ -591,6 +599,7 @@ def socket_closed_port() -> Any:
 class _FakeWorker:
     def __init__(self) -> None:
         self.handlers: dict[str, Any] = {}
+        self.stream_handlers: dict[str, Any] = {}
         self.extensions: dict[str, Any] = {}
         self.data: dict[str, Any] = {}
         self.address = "tcp://fake:1"
@@ -728,6 +737,7 @@ def test_a_lane_connect_given_up_on_is_cancelled(monkeypatch: Any) -> None:
 
     class Worker:
         handlers: dict[str, Any] = {}
+        stream_handlers: dict[str, Any] = {}
         address = "tcp://127.0.0.1:1"
 
     w = Worker()
@@ -743,3 +753,62 @@ def test_a_lane_connect_given_up_on_is_cancelled(monkeypatch: Any) -> None:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(5)
         loop.close()
+
+
+def test_a_removed_worker_is_told_on_each_workers_stream_without_an_error_log(
+        caplog: Any) -> None:
+    """dagdiff's scheduler plugin tells every other worker that a worker left on the
+    scheduler's batched stream to it (no connection per worker); a stream that is closing
+    (the whole cluster shutting down) is skipped quietly: distributed's ``broadcast`` had
+    logged an ERROR for each worker that closed meanwhile."""
+    import logging
+    from types import SimpleNamespace
+
+    from distributed.comm.core import CommClosedError
+
+    from dagdiff.runtime.plugins import ColocateVJP
+
+    class Stream:
+        def __init__(self, closed: bool) -> None:
+            self.closed, self.sent = closed, []
+
+        def send(self, *msgs: Any) -> None:
+            if self.closed:
+                raise CommClosedError("closing")
+            self.sent.extend(msgs)
+
+    streams = {"tcp://a:1": Stream(False), "tcp://b:1": Stream(True),
+               "tcp://gone:1": Stream(False)}
+    events: list[Any] = []
+    plugin = ColocateVJP()
+    plugin.scheduler = SimpleNamespace(stream_comms=streams,
+                                       log_event=lambda *a: events.append(a))
+    with caplog.at_level(logging.DEBUG):
+        plugin.remove_worker(plugin.scheduler, "tcp://gone:1")
+    assert streams["tcp://a:1"].sent == [{"op": "dagdiff_peer_lost",
+                                          "address": "tcp://gone:1"}]
+    assert streams["tcp://gone:1"].sent == []
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert events and events[0][1] == {"action": "remove", "worker": "tcp://gone:1"}
+
+
+def _lost_here(address: str, dask_worker: Any) -> bool:
+    return address in dask_worker.extensions["dagdiff"].lost
+
+
+@pytest.mark.distributed
+def test_every_worker_hears_of_a_removed_worker_from_the_scheduler(client2: Any) -> None:
+    """The scheduler plugin's notice reaches each worker's runtime through its stream
+    handler (a program waiting on the removed worker stops at once)."""
+    gone = "tcp://10.0.0.9:4242"                       # no such worker: nothing else moves
+    try:
+        client2.run_on_scheduler(_remove_on_scheduler, gone)
+        assert _until(lambda: all(client2.run(_lost_here, gone).values()) or None)
+    finally:
+        for a in _addresses(client2):
+            client2.run(_forget_lost, gone, workers=[a])
+
+
+def _remove_on_scheduler(address: str, dask_scheduler: Any) -> None:
+    """Call dagdiff's scheduler plugin as the scheduler does when a worker leaves."""
+    dask_scheduler.plugins["dagdiff-colocate-vjp"].remove_worker(dask_scheduler, address)

@@ -11,7 +11,6 @@ dead worker.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import weakref
 from typing import Any
@@ -64,7 +63,6 @@ class ColocateVJP(SchedulerPlugin):
 
     def __init__(self) -> None:
         self.scheduler: Any = None
-        self._telling: set[asyncio.Task[Any]] = set()
         #: keys of forward tasks some backward task reads a pullback from: the only keys
         #: whose transitions this plugin looks at (one set lookup for every other task)
         self._forwards: set[Any] = set()
@@ -88,20 +86,22 @@ class ColocateVJP(SchedulerPlugin):
 
     def remove_worker(self, scheduler: Any = None, worker: Any = None, **kwargs: Any) -> None:
         """Tell the clients (`MEMBERSHIP_TOPIC`) and every other worker: a direct-dispatch
-        program there that waits on the removed worker fails now, not after a probe."""
+        program there that waits on the removed worker fails now, not after a probe. The
+        workers hear it on the scheduler's batched stream to each (in order with their
+        tasks, no new connection); a worker whose stream is closing (the whole cluster
+        shuts down) is skipped without a word: distributed's ``broadcast`` logged an ERROR
+        for each worker that closed meanwhile."""
         self._announce("remove", worker)
-        if self.scheduler is None or worker is None or not self.scheduler.workers:
+        if self.scheduler is None or worker is None:
             return
-        try:
-            task = asyncio.get_running_loop().create_task(self._tell_workers(worker))
-        except RuntimeError:                # no running loop (a unit test calling it)
-            return
-        self._telling.add(task)
-        task.add_done_callback(self._telling.discard)
-
-    async def _tell_workers(self, address: str) -> None:
-        await self.scheduler.broadcast(msg={"op": PEER_LOST_OP, "address": address},
-                                       on_error="ignore")
+        msg = {"op": PEER_LOST_OP, "address": worker}
+        for address, stream in list(stream_comms(self.scheduler).items()):
+            if address == worker:
+                continue
+            try:
+                stream.send(msg)
+            except Exception:           # noqa: BLE001 - that worker's stream closed
+                log.debug("dagdiff: could not tell %s that %s left", address, worker)
 
     def _announce(self, action: str, worker: Any) -> None:
         """Tell the clients that the set of workers changed (`MEMBERSHIP_TOPIC`)."""

@@ -141,6 +141,7 @@ class DirectRuntime:
         self.inboxes = InboxEnds(worker, WRITE_TIMEOUT)
         worker.handlers[STATUS_OP] = self._status
         worker.handlers[PEER_LOST_OP] = self._peer_lost
+        worker.stream_handlers[PEER_LOST_OP] = self.peer_lost
         worker.handlers[INBOX_OP] = self.inboxes.accept
         worker.extensions[EXTENSION] = self
 
@@ -189,8 +190,13 @@ class DirectRuntime:
             return "running" if st is not None and st.started else "unknown"
 
     async def _peer_lost(self, address: str) -> None:
-        """Handler ``dagdiff_peer_lost``: the scheduler removed the worker at `address`;
-        every program here that waits on it stops now (the step is run again)."""
+        """Handler ``dagdiff_peer_lost`` (an RPC): as `peer_lost`."""
+        self.peer_lost(address)
+
+    def peer_lost(self, address: str) -> None:
+        """Stream handler ``dagdiff_peer_lost`` (dagdiff's scheduler plugin sends it on
+        its stream to this worker): the scheduler removed the worker at `address`; every
+        program here that waits on it stops now (the step is run again)."""
         with self._lock:
             self.lost[address] = time.monotonic()
             while len(self.lost) > 1024:
