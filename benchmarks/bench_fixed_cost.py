@@ -18,6 +18,9 @@ collector per step. A real job's compute adds to the wait only.
 with no sleep: each multiplies by a scalar parameter), the issue's "fixed cost with
 zero-time stages"; --batch and --width give the input's shape.
 
+--switch KEY: alternate another boolean dask config key instead (set on the client and on
+every worker before each round), e.g. ``dagdiff.direct.lanes``.
+
 --floor: instead, Dask's own cost of a step's graph: in alternating rounds on the same
 cluster, dagdiff's `value_and_grad` step and `Trainer.step` (sgd) against plain Dask graphs
 of the same shape whose tasks do nothing (one "program" task per worker, then a gradient
@@ -33,7 +36,7 @@ only): the first build (trace + lower + rewrite), its run, and a later step's bu
 the template (new batch), with their ratio; each build's time per p * m.
 Usage: python benchmarks/bench_fixed_cost.py [--width 64] [--batch 64] [--layers 4]
        [--microbatches 8] [--steps 20] [--rounds 3] [--scale 4:16 16:64 64:256] [--floor]
-       [--zero]
+       [--zero] [--switch KEY]
 """
 from __future__ import annotations
 
@@ -55,6 +58,10 @@ try:
 except ImportError:                       # run from the repository root
     from benchmarks.common import (job_args, mean_seconds, mlp_data, time_steps,
                                    two_stage_loss)
+
+
+#: the dask config key switched on / off between rounds unless --switch names another
+TEMPLATES_KEY = "dagdiff.step-templates"
 
 
 class GcClock:
@@ -252,12 +259,18 @@ def scale(pairs: list[str]) -> None:
         cluster.close()
 
 
+def _configure(settings: dict[str, Any]) -> None:
+    """On a worker: set dask config for the programs that start from now on."""
+    dask.config.set(settings)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     job_args(ap, width=64, batch=64, layers=4, microbatches=8, steps=20, rounds=3)
     ap.add_argument("--scale", nargs="+", default=None, metavar="P:M")
     ap.add_argument("--floor", action="store_true")
     ap.add_argument("--zero", action="store_true")
+    ap.add_argument("--switch", default=TEMPLATES_KEY, metavar="KEY")
     cfg = ap.parse_args()
     if cfg.scale:
         scale(cfg.scale)
@@ -273,12 +286,15 @@ def main() -> None:
         return
     loss_fn, params, batches, what = make_job(cfg)
     step = dd.value_and_grad(loss_fn, microbatches=cfg.microbatches, schedule="1f1b")
-    with dask.config.set({"dagdiff.step-templates": False}):
+    key = cfg.switch
+    with dask.config.set({TEMPLATES_KEY: False}):
         value_and_grad_parts(client, step, params, batches, 3)          # compile, warm up
-    rows: dict[str, dict[str, list[float]]] = {"templates": {}, "lowering": {}}
+    on, off = ("templates", "lowering") if key == TEMPLATES_KEY else (f"{key}=on", "off")
+    rows: dict[str, dict[str, list[float]]] = {on: {}, off: {}}
     for r in range(cfg.rounds):
-        for mode in ("templates", "lowering"):
-            with dask.config.set({"dagdiff.step-templates": mode == "templates"}):
+        for mode in (on, off):
+            client.run(_configure, {key: mode == on})       # workers read it too
+            with dask.config.set({key: mode == on}):
                 templates.clear()
                 clock = GcClock()
                 gc.callbacks.append(clock)
@@ -293,14 +309,15 @@ def main() -> None:
             for k, v in got.items():
                 rows[mode].setdefault(k, []).append(v)
         print(f"round {r + 1}: " + ", ".join(
-            f"{k} {1e3 * rows['templates'][k][-1]:.1f} / {1e3 * rows['lowering'][k][-1]:.1f} ms"
-            for k in rows["templates"]), flush=True)
+            f"{k} {1e3 * rows[on][k][-1]:.1f} / {1e3 * rows[off][k][-1]:.1f} ms"
+            for k in rows[on]), flush=True)
+    client.run(_configure, {key: dask.config.get(key, True)})
     print(f"\n{what}, 1F1B x {cfg.microbatches}; median of {cfg.steps} steps, median of "
           f"{cfg.rounds} rounds")
-    print(f"{'':16s} {'templates':>10s} {'lowering':>10s} {'ratio':>7s}")
-    for k in rows["templates"]:
-        a = statistics.median(rows["templates"][k])
-        b = statistics.median(rows["lowering"][k])
+    print(f"{'':16s} {on:>10s} {off:>10s} {'ratio':>7s}")
+    for k in rows[on]:
+        a = statistics.median(rows[on][k])
+        b = statistics.median(rows[off][k])
         print(f"{k:16s} {1e3 * a:8.1f} ms {1e3 * b:8.1f} ms {a / b:7.2f}")
     client.close()
     cluster.close()
