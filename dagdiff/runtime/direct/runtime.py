@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import logging
 import threading
@@ -35,6 +36,7 @@ from ...errors import DirectDispatchError
 from ..internals import scheduler_delay
 from ..live import ActionReporter
 from .inbox import INBOX_OP, InboxEnds
+from .inbound import PROGRAM_READS_KEY
 from .messages import End, Failure, Message
 from .program import Program
 from .results import Export, LocalImport, ProgramResult
@@ -154,8 +156,10 @@ class DirectRuntime:
                 return None
             st = self._runs.get(run)
             if st is None:
-                st = self._runs[run] = ProgramRun(run, max(STALE_AFTER, 2 * _timeout()),
-                                                   self.transport.send, self._probe)
+                st = self._runs[run] = ProgramRun(
+                    run, max(STALE_AFTER, 2 * _timeout()), self.transport.send, self._probe,
+                    self.transport.inbound if dask.config.get(PROGRAM_READS_KEY, True)
+                    else None)
                 self._sweep(st.created)
             if start:
                 if st.started:
@@ -335,8 +339,11 @@ class DirectRuntime:
         if secede:
             _secede()
         try:
-            return self._execute(prog, run, st, number, static_values, task or prog.key,
-                                 close)
+            # while it runs, the program reads the worker's lanes when it waits
+            with (self.transport.inbound.claimed() if st.reads_lanes
+                  else contextlib.nullcontext()):
+                return self._execute(prog, run, st, number, static_values, task or prog.key,
+                                     close)
         finally:
             if task:
                 self._running.pop(task, None)
