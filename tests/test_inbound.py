@@ -143,7 +143,7 @@ def test_two_waiting_programs_one_leads_the_other_is_handed_its_values(
 def test_a_cancel_wakes_a_program_that_polls_the_lanes(worker: Worker) -> None:
     """A run cancelled while its program leads (blocked in its poll of the sockets) wakes
     at once through the wake pipe, not after its poll's timeout."""
-    worker.lane("tcp://a:1")
+    peer = worker.lane("tcp://a:1")             # kept open: the lane stays
     st = worker.run("r1")
     woke: list[float] = []
 
@@ -159,6 +159,8 @@ def test_a_cancel_wakes_a_program_that_polls_the_lanes(worker: Worker) -> None:
     st.cancel("released")
     t.join(10)
     assert woke and woke[0] - t0 < 5.0
+    assert worker.inbound.peers() == ["tcp://a:1"]   # it polled the lane all along
+    peer.close()
 
 
 def test_large_and_small_values_keep_their_order(worker: Worker) -> None:
@@ -251,3 +253,119 @@ def test_closing_stops_the_background_thread_and_closes_the_lanes() -> None:
     assert not thread.is_alive()
     assert w.ended == ["tcp://a:1"]
     assert w.inbound.peers() == []
+
+
+def test_a_half_sent_message_blocks_neither_other_lanes_nor_a_cancel(worker: Worker) -> None:
+    """A peer stalls in the middle of a large message (its header and part of its frames
+    sent): the program that leads still reads its value from another lane, and is woken
+    by a cancel; the stalled message is completed when its bytes come."""
+    stalled, other = worker.lane("tcp://stalled:1"), worker.lane("tcp://other:1")
+    frames = encode(to_wire(Value("r2", "big", 1, pack(np.full(200_000, 7.0)))), {})
+    wire = b"".join(_framed(frames))
+    a = worker.run("r1")
+    b = worker.run("r2")
+
+    def program() -> tuple[Any, Any]:
+        with worker.inbound.claimed():
+            got = wait_for(a, "x")
+            with a.cond:
+                while a.abort is None:
+                    a._wait(30.0)
+            return got, a.abort
+
+    t, out = in_thread(program, name="program-1")
+    stalled.sendall(wire[:100_000])              # then nothing for a while
+    time.sleep(0.05)
+    send(other, "r1", "x", np.ones(2))
+    time.sleep(0.05)
+    a.cancel("released")
+    t.join(10)
+    assert not t.is_alive(), "the program never woke"
+    np.testing.assert_array_equal(out[0][0], np.ones(2))
+    assert out[0][1] == "released"
+    stalled.sendall(wire[100_000:])              # the rest: the message is whole
+    np.testing.assert_array_equal(wait_for(b, "big"), np.full(200_000, 7.0))
+    assert worker.ended == []
+
+
+def _framed(frames: list[Any]) -> list[bytes]:
+    """One message as `lanes.write_frames` puts it on the wire."""
+    import struct
+
+    lengths = [memoryview(f).nbytes for f in frames]
+    return [struct.pack(f"<Q{len(frames)}Q", len(frames), *lengths),
+            *(bytes(memoryview(f)) for f in frames)]
+
+
+@pytest.mark.parametrize("garbage", ["huge frame", "too many frames", "not a message"])
+def test_a_lane_that_sends_garbage_is_dropped_not_the_program(worker: Worker,
+                                                               garbage: str) -> None:
+    """Bytes that cannot be a message (a frame too large to hold, a frame count past any
+    message, frames distributed cannot load) drop that lane or that message alone: the
+    waiting program sees no exception and gets its value from another lane."""
+    import struct
+
+    bad, good = worker.lane("tcp://bad:1"), worker.lane("tcp://good:1")
+    st = worker.run("r1")
+
+    def program() -> Any:
+        with worker.inbound.claimed():
+            return wait_for(st, "x")
+
+    t, out = in_thread(program, name="program-1")
+    time.sleep(0.05)
+    if garbage == "huge frame":
+        bad.sendall(struct.pack("<QQ", 1, 1 << 40) + bytes(16))
+    elif garbage == "too many frames":
+        bad.sendall(struct.pack("<Q", 1 << 30) + bytes(64))
+    else:
+        bad.sendall(struct.pack("<QQ", 1, 5) + b"\xff" * 5)
+    time.sleep(0.05)
+    send(good, "r1", "x", np.arange(3.0))
+    t.join(10)
+    np.testing.assert_array_equal(out[0], np.arange(3.0))
+    if garbage == "not a message":               # framed right: the lane goes on
+        send(bad, "r1", "y", np.ones(1))
+        np.testing.assert_array_equal(wait_for(st, "y"), np.ones(1))
+    else:
+        deadline = time.monotonic() + 10
+        while "tcp://bad:1" not in worker.ended and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert worker.ended == ["tcp://bad:1"]
+        assert worker.inbound.peers() == ["tcp://good:1"]
+
+
+def test_news_before_the_lead_is_taken_is_not_lost(worker: Worker, monkeypatch: Any) -> None:
+    """A program lets go of its condition to lead; before it holds the lead it is
+    cancelled, and the kick that should end its poll is drained by another leader (the
+    background thread's drain): it still wakes at once, not after its poll's timeout."""
+    peer = worker.lane("tcp://a:1")             # kept open: the lane stays
+    st = worker.run("r1")
+    pump = worker.inbound.pump
+    entered, cancelled = threading.Event(), threading.Event()
+    first = [True]
+
+    def late_pump(timeout: float, stop: Any = lambda: False) -> bool:
+        if first[0] and threading.current_thread().name == "program-1":
+            first[0] = False
+            entered.set()                        # its condition is free, no lead yet
+            cancelled.wait(10)
+            worker.inbound._drain_kicks()        # another leader took the kick
+        return pump(timeout, stop)
+
+    monkeypatch.setattr(worker.inbound, "pump", late_pump)
+
+    def program() -> float:
+        with worker.inbound.claimed(), st.cond:
+            while st.abort is None:
+                st._wait(30.0)
+            return time.monotonic()
+
+    t, out = in_thread(program, name="program-1")
+    assert entered.wait(10)
+    st.cancel("released")
+    cancelled.set()
+    t.join(20)
+    assert not t.is_alive() and out, "the program never woke"
+    peer.close()
+    assert first == [False]                      # the delayed path was taken

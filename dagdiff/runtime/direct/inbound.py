@@ -4,18 +4,25 @@ waits for a value reads the sockets itself, else one background thread does.
 A value's hop from one idle worker to another used to end with two thread wake-ups: the
 lane's reader thread woke on the socket, then woke the waiting program through its
 condition. On this project's 2-core machine the second wake-up cost ~60-100 us of a
-~250 us hop. Here the waiting program polls every inbound lane itself (`Inbound.pump`) and
-reads what arrives, handing each message on as the reader thread did (other runs' messages
-too: their programs are notified as before); the kernel wakes the one thread that needs
-the value.
+~250-400 us hop. Here the waiting program polls every inbound lane itself (`Inbound.pump`)
+and reads what arrives, handing each message on as the reader thread did (other runs'
+messages too: their programs are notified as before); the kernel wakes the one thread that
+needs the value.
 
 One thread leads at a time (the lead is a lock): a program waiting while another leads
 follows (waits on its condition, as before: the leader delivers to it) and is woken when
-the lead is free. While any program runs on the worker (`claimed`), the background thread
-stays off the sockets; otherwise it leads, so messages for runs that have not started here,
-a lane's end and large values are read as they come, as before. Every inbound lane is
-drained by whoever leads (a program waiting for one peer reads the others too), so a
-sender never blocks on a full socket while its receiver waits for something else.
+the lead is free. While no program runs on the worker, the background thread leads, so
+messages for runs that have not started here and a lane's end are read as they come.
+While programs run (`claimed`) and none of them waits, the background thread drains the
+lanes every `_PARKED` s, so a sender is never stuck on a full socket behind a program that
+computes. Every inbound lane is drained by whoever leads (a program waiting for one peer
+reads the others too).
+
+Sockets are non-blocking and each lane parses its messages incrementally (`InLane.pump`
+reads what the socket has and keeps a message that is not whole for the next time): a
+leader never blocks on one lane's half-sent message, so it stays free to see the others
+and to be woken (`kick`). A lane whose bytes make no sense, or whose peer hangs up, is
+dropped; the sender opens a new one.
 
 A lane's socket came from a comm distributed opened (`lanes.accept_lane`); its messages
 are framed as `lanes.write_frames` writes them.
@@ -24,9 +31,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import select
 import socket
+import ssl
 import struct
 import threading
 from typing import Any, Callable, Iterator
@@ -45,17 +52,26 @@ PROGRAM_READS_KEY = "dagdiff.direct.program-reads"
 FOLLOW_SLICE = 0.005
 #: seconds between the background thread's drains of the lanes while programs run
 _PARKED = 0.01
-#: seconds one blocking read of a message's rest may make no progress
-RECV_TIMEOUT = 30.0
 #: frames up to this size are read through the lane's buffer; larger ones into their own
 _SMALL_FRAME = 64 * 1024
 _CHUNK = 256 * 1024
+#: bytes one lane reads per turn before the leader looks at the others
+_TURN = 4 * 1024 * 1024
+#: a message of more frames, or a frame larger, is taken for garbage (the lane is dropped)
+_MAX_FRAMES = 1 << 20
+_MAX_FRAME = 1 << 40
 _COUNT = struct.Struct("<Q")
+_WOULD_BLOCK = (BlockingIOError, InterruptedError, ssl.SSLWantReadError,
+                ssl.SSLWantWriteError)
+
+
+class _Ended(Exception):
+    """The lane's peer hung up."""
 
 
 class InLane:
-    """One inbound lane: its socket (read only by the thread that leads), a buffer of
-    bytes read ahead, and what to do with each message."""
+    """One inbound lane: its non-blocking socket (read only by the thread that leads), the
+    bytes read ahead, the message being read, and what to do with each message."""
 
     def __init__(self, sock: socket.socket, peer: str,
                  on_message: Callable[[Any], None], ended: Callable[[], None]) -> None:
@@ -63,119 +79,131 @@ class InLane:
         self.peer = peer
         # a file object of the socket holds its descriptor open until it is closed here,
         # whoever closes the socket meanwhile: no read on a reused descriptor
-        self._raw = sock.makefile("rb", buffering=0)
+        self._hold = sock.makefile("rb", buffering=0)
         self.fd = sock.fileno()
         self._on_message = on_message
         self._ended = ended
         self._buf = bytearray()
         self._pos = 0
         self._scratch = memoryview(bytearray(_CHUNK))
-        self._ssl = hasattr(sock, "pending")
+        self._lengths: tuple[int, ...] | None = None     # the message being read
+        self._frames: list[Any] = []
+        self._big: bytearray | None = None               # its large frame being filled
+        self._big_have = 0
+        self._ssl = isinstance(sock, ssl.SSLSocket)
         self.closed = False
 
-    # --- reading (the leading thread only) --------------------------------------------
     def ready(self) -> bool:
-        """Whether a message can be read without waiting for the socket: one is whole in
-        the buffer, or TLS holds decrypted bytes the socket's poll does not show."""
-        if self._complete():
-            return True
+        """Whether bytes can be read that the socket's poll does not show (TLS holds
+        decrypted bytes)."""
         return self._ssl and self.sock.pending() > 0    # type: ignore[attr-defined]
 
-    def _available(self) -> int:
-        return len(self._buf) - self._pos
-
-    def _complete(self) -> bool:
-        have = self._available()
-        if have < 8:
+    # --- reading (the leading thread only) --------------------------------------------
+    def pump(self) -> bool:
+        """Read what the socket has now (up to `_TURN` bytes, without waiting) and hand on
+        every message that is whole; False once the lane ended, broke or sent garbage
+        (it is dropped then)."""
+        try:
+            budget = _TURN
+            while True:
+                self._parse()
+                if budget <= 0:
+                    return True
+                got = self._recv()
+                if got is None:
+                    return True
+                budget -= got
+        except _Ended:
             return False
-        (count,) = _COUNT.unpack_from(self._buf, self._pos)
-        if have < 8 + 8 * count:
+        except Exception as e:                   # noqa: BLE001 - reset, garbage, no memory
+            if not isinstance(e, OSError):
+                log.warning("dagdiff: dropped the lane from %s (%s: %s)", self.peer,
+                            type(e).__name__, e)
             return False
-        lengths = struct.unpack_from(f"<{count}Q", self._buf, self._pos + 8)
-        return have >= 8 + 8 * count + sum(lengths)
 
-    def _fill(self, n: int) -> bool:
-        """Read until `n` bytes are buffered (False at the lane's end)."""
-        while self._available() < n:
+    def _recv(self) -> int | None:
+        """Read once into the large frame being filled or the buffer: the byte count,
+        None if the socket has nothing now."""
+        if self._big is not None:
+            view = memoryview(self._big)[self._big_have:]
+        else:
+            view = self._scratch
+        try:
+            k = self.sock.recv_into(view)
+        except _WOULD_BLOCK:
+            return None
+        if not k:
+            raise _Ended
+        if self._big is not None:
+            self._big_have += k
+        else:
             if self._pos and self._pos >= len(self._buf) // 2:
                 del self._buf[:self._pos]
                 self._pos = 0
-            k = self._raw.readinto(self._scratch)
-            if not k:
-                return False
             self._buf += self._scratch[:k]
-        return True
+        return k
 
-    def _take(self, n: int) -> Any:
-        """The next `n` bytes: small ones from the buffer, a large frame into a buffer
-        of its own (what is buffered of it, then the rest read straight into it)."""
-        if n <= _SMALL_FRAME:
-            if not self._fill(n):
-                return None
-            out = bytes(self._buf[self._pos:self._pos + n])
-            self._pos += n
-            return out
-        big = bytearray(n)
-        have = min(self._available(), n)
-        big[:have] = self._buf[self._pos:self._pos + have]
-        self._pos += have
-        view = memoryview(big)
-        while have < n:
-            k = self._raw.readinto(view[have:])
-            if not k:
-                return None
-            have += k
-        return big
-
-    def read_message(self) -> list[Any] | None:
-        """One message's frames (waiting for the rest of a message that began), None at
-        the lane's end."""
-        head = self._take(8)
-        if head is None:
-            return None
-        (count,) = _COUNT.unpack(head)
-        raw = self._take(8 * count)
-        if raw is None:
-            return None
-        frames = []
-        for n in struct.unpack(f"<{count}Q", raw):
-            f = self._take(n)
-            if f is None:
-                return None
-            frames.append(f)
-        return frames
-
-    def pump(self) -> bool:
-        """Read the message that is coming (the socket is readable, or `ready`) and every
-        whole one buffered behind it, handing each on; False once the lane ended (or
-        broke: the sender reconnects on a new lane)."""
+    def _parse(self) -> None:
+        """Advance the message being read with the bytes at hand; hand on each one that
+        is whole."""
         while True:
-            try:
-                frames = self.read_message()
-            except (OSError, ValueError):        # reset, timeout, closed under us
-                frames = None
-            if frames is None:
-                return False
-            try:
-                msg = loads(frames, deserialize=False)
-            except Exception as e:               # noqa: BLE001 - a garbled message
-                log.warning("dagdiff: dropped a message from %s (%s: %s)",
-                            self.peer, type(e).__name__, e)
-            else:
-                try:
-                    self._on_message(msg)
-                except Exception:                # noqa: BLE001 - never stop the lane
-                    log.exception("dagdiff: delivering a message from %s failed", self.peer)
-            if not self._complete():
-                return True
+            if self._big is not None:
+                if self._big_have < len(self._big):
+                    return
+                self._frames.append(self._big)
+                self._big = None
+            elif self._lengths is None:
+                have = len(self._buf) - self._pos
+                if have < 8:
+                    return
+                (count,) = _COUNT.unpack_from(self._buf, self._pos)
+                if count > _MAX_FRAMES:
+                    raise ValueError(f"a message of {count} frames")
+                if have < 8 + 8 * count:
+                    return
+                lengths = struct.unpack_from(f"<{count}Q", self._buf, self._pos + 8)
+                if any(n > _MAX_FRAME for n in lengths):
+                    raise ValueError(f"a frame of {max(lengths)} bytes")
+                self._pos += 8 + 8 * count
+                self._lengths, self._frames = lengths, []
+            elif len(self._frames) < len(self._lengths):
+                n = self._lengths[len(self._frames)]
+                have = len(self._buf) - self._pos
+                if n <= _SMALL_FRAME:
+                    if have < n:
+                        return
+                    self._frames.append(bytes(self._buf[self._pos:self._pos + n]))
+                    self._pos += n
+                else:                            # its own buffer: what is here, then recv
+                    big = bytearray(n)
+                    take = min(have, n)
+                    big[:take] = self._buf[self._pos:self._pos + take]
+                    self._pos += take
+                    self._big, self._big_have = big, take
+                    continue
+            if self._lengths is not None and len(self._frames) == len(self._lengths):
+                frames, self._lengths, self._frames = self._frames, None, []
+                self._deliver(frames)
+
+    def _deliver(self, frames: list[Any]) -> None:
+        try:
+            msg = loads(frames, deserialize=False)
+        except Exception as e:                   # noqa: BLE001 - a garbled message
+            log.warning("dagdiff: dropped a message from %s (%s: %s)",
+                        self.peer, type(e).__name__, e)
+            return
+        try:
+            self._on_message(msg)
+        except Exception:                        # noqa: BLE001 - never stop the lane
+            log.exception("dagdiff: delivering a message from %s failed", self.peer)
 
     def close(self) -> None:
-        """The lane ended: close its file object and tell its handler."""
+        """The lane ended: let go of its descriptor and tell its handler."""
         if self.closed:
             return
         self.closed = True
         try:
-            self._raw.close()
+            self._hold.close()
         except OSError:
             pass
         try:
@@ -195,16 +223,19 @@ class Inbound:
         self._claims = 0
         self._parked = threading.Condition(self._mutex)
         self._background_leads = False
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        # the wake pipe: a socket pair, closed when this object goes (never while a thread
+        # could still write to a reused descriptor); only the thread that leads drains it
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._wake_fd = self._wake_r.fileno()
         self._thread: threading.Thread | None = None
         self._closed = False
 
     # --- lanes ----------------------------------------------------------------------
     def add(self, lane: InLane) -> None:
-        """Read `lane` from now on (its socket times out a read that stalls)."""
-        lane.sock.settimeout(RECV_TIMEOUT)
+        """Read `lane` from now on (its socket made non-blocking)."""
+        lane.sock.setblocking(False)
         with self._mutex:
             if self._closed:
                 lane.close()
@@ -222,20 +253,28 @@ class Inbound:
     def has_lanes(self) -> bool:
         return bool(self._lanes)
 
+    @property
+    def leader(self) -> bool:
+        """Whether some thread leads now."""
+        return self._lead.locked()
+
     def peers(self) -> list[str]:
         """The addresses of the workers whose lanes to this one are open."""
         with self._mutex:
             return sorted(lane.peer for lane in self._lanes.values())
 
     # --- leading ----------------------------------------------------------------------
-    def pump(self, timeout: float) -> bool:
+    def pump(self, timeout: float, stop: Callable[[], bool] = lambda: False) -> bool:
         """Lead for one poll of at most `timeout` s: read and hand on what arrives on
-        any lane (a kick ends the poll early). False when another thread leads or no lane
-        is open: the caller waits on its condition instead."""
+        any lane (a kick ends the poll early). `stop` is asked once the lead is held: True
+        (the caller's run was told something meanwhile, and the kick may have gone to
+        another leader) returns without polling. False when another thread leads or no
+        lane is open: the caller waits on its condition instead."""
         if not self._lanes or not self._lead.acquire(blocking=False):
             return False
         try:
-            self._poll(timeout)
+            if not stop():
+                self._poll(timeout)
         finally:
             self._release()
         return True
@@ -246,12 +285,14 @@ class Inbound:
             followers = list(self._followers)
         _notify(followers)
 
-    def _poll(self, timeout: float) -> None:
+    def _poll(self, timeout: float) -> int:
+        """Wait up to `timeout` s for a lane to be readable (or a kick); read each that
+        is. Returns how many lanes were read."""
         lanes = list(self._lanes.values())
         ready = [lane for lane in lanes if lane.ready()]
         if not ready:
             poller = select.poll()
-            poller.register(self._wake_r, select.POLLIN)
+            poller.register(self._wake_fd, select.POLLIN)
             for lane in lanes:
                 poller.register(lane.fd, select.POLLIN)
             try:
@@ -259,13 +300,16 @@ class Inbound:
             except InterruptedError:
                 events = []
             for fd, _ in events:
-                if fd == self._wake_r:
+                if fd == self._wake_fd:
                     self._drain_kicks()
-                elif fd in self._lanes:
-                    ready.append(self._lanes[fd])
+                else:
+                    lane = self._lanes.get(fd)
+                    if lane is not None:
+                        ready.append(lane)
         for lane in ready:
             if not lane.pump():
                 self._drop(lane)
+        return len(ready)
 
     def _drop(self, lane: InLane) -> None:
         with self._mutex:
@@ -276,15 +320,15 @@ class Inbound:
     def kick(self) -> None:
         """End the leader's poll now (a run it leads for was told something)."""
         try:
-            os.write(self._wake_w, b"k")
-        except (BlockingIOError, OSError):       # full: a kick is pending; closed
+            self._wake_w.send(b"k")
+        except OSError:                          # full: a kick is pending
             pass
 
     def _drain_kicks(self) -> None:
         try:
-            while os.read(self._wake_r, 4096):
+            while self._wake_r.recv(4096):
                 pass
-        except (BlockingIOError, OSError):
+        except OSError:
             pass
 
     # --- followers ----------------------------------------------------------------------
@@ -332,7 +376,9 @@ class Inbound:
             if busy:
                 if self._lead.acquire(blocking=False):
                     try:
-                        self._poll(0.0)
+                        for _ in range(64):        # until nothing is left (bounded)
+                            if not self._poll(0.0):
+                                break
                     except Exception:                # noqa: BLE001 - keep reading
                         log.exception("dagdiff: reading the inbound lanes failed")
                     finally:

@@ -61,6 +61,7 @@ class ProgramRun:
         #: waits (`inbound.Inbound`); None: it waits on its condition alone
         self._inbound = inbound
         self._leading = False                       # its program polls the lanes now
+        self._news = 0                              # how often it was woken (`_wake`)
 
     @property
     def reads_lanes(self) -> bool:
@@ -105,6 +106,7 @@ class ProgramRun:
     def _wake(self) -> None:
         """Wake the program (call with the condition): on its condition, or out of its
         poll of the lanes when it leads."""
+        self._news += 1
         self.cond.notify_all()
         if self._leading and self._inbound is not None:
             self._inbound.kick()
@@ -113,31 +115,34 @@ class ProgramRun:
         """Wait (holding the condition) up to `timeout` s for news: leading, the program
         reads the worker's inbound lanes itself (one thread wakes per value, not the
         lanes' reader and then the program); while another thread leads, it waits on
-        its condition, as every program did before."""
+        its condition, as every program did before, woken by what is handed to it and
+        when the lead is free."""
         inbound = self._inbound
-        if inbound is None or not inbound.has_lanes:
-            if inbound is not None:            # a lane that opens wakes it to lead
-                inbound.follow(self.cond)
-                try:
-                    self.cond.wait(timeout)
-                finally:
-                    inbound.unfollow(self.cond)
-                return
+        if inbound is None:
             self.cond.wait(timeout)
             return
-        self._leading = True
-        self.cond.release()
-        try:
-            led = inbound.pump(timeout)
-        finally:
-            self.cond.acquire()
-            self._leading = False
-        if not led:
-            inbound.follow(self.cond)
+        seen = self._news
+        if inbound.has_lanes:
+            self._leading = True
+            self.cond.release()
             try:
-                self.cond.wait(min(timeout, FOLLOW_SLICE))
+                # news that came while the condition was free stops it before its poll
+                # (that kick may have been drained by another leader)
+                led = inbound.pump(timeout, lambda: self._news != seen)
             finally:
-                inbound.unfollow(self.cond)
+                self.cond.acquire()
+                self._leading = False
+            if led or self._news != seen:
+                return
+            slice_ = min(timeout, FOLLOW_SLICE)
+        else:
+            slice_ = timeout                   # a lane that opens wakes it to lead
+        inbound.follow(self.cond)
+        try:
+            if self._news == seen and not (inbound.has_lanes and not inbound.leader):
+                self.cond.wait(slice_)
+        finally:
+            inbound.unfollow(self.cond)
 
     # --- running the program --------------------------------------------------------------
     def execute(self, prog: Program, statics: dict[str, Any], local: dict[str, list[Any]],
