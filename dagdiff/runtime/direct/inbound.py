@@ -231,6 +231,8 @@ class Inbound:
         self._wake_fd = self._wake_r.fileno()
         self._thread: threading.Thread | None = None
         self._closed = False
+        #: the program thread that leads now (None: none, or the background thread)
+        self.leader_thread: int | None = None
 
     # --- lanes ----------------------------------------------------------------------
     def add(self, lane: InLane) -> None:
@@ -272,10 +274,12 @@ class Inbound:
         lane is open: the caller waits on its condition instead."""
         if not self._lanes or not self._lead.acquire(blocking=False):
             return False
+        self.leader_thread = threading.get_ident()
         try:
             if not stop():
                 self._poll(timeout)
         finally:
+            self.leader_thread = None
             self._release()
         return True
 

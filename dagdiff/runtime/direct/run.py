@@ -108,8 +108,10 @@ class ProgramRun:
         poll of the lanes when it leads."""
         self._news += 1
         self.cond.notify_all()
-        if self._leading and self._inbound is not None:
-            self._inbound.kick()
+        inbound = self._inbound
+        if self._leading and inbound is not None \
+                and inbound.leader_thread != threading.get_ident():
+            inbound.kick()                  # not when it reads (and hands over) itself
 
     def _wait(self, timeout: float) -> None:
         """Wait (holding the condition) up to `timeout` s for news: leading, the program
