@@ -75,6 +75,26 @@ def in_thread(fn: Any, *args: Any, name: str) -> tuple[threading.Thread, list[An
     return t, out
 
 
+def waiting_program(worker: Worker, run: str, key: str
+                    ) -> tuple[threading.Thread, list[Any]]:
+    """A program (thread ``program-1``) of `run` that runs here and waits for `key`."""
+    st = worker.run(run)
+
+    def program() -> Any:
+        with worker.inbound.claimed():
+            return wait_for(st, key)
+
+    return in_thread(program, name="program-1")
+
+
+def until_ended(worker: Worker, peer: str) -> list[str]:
+    """The lanes told ended, once `peer`'s is among them (or after 10 s)."""
+    deadline = time.monotonic() + 10
+    while peer not in worker.ended and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return worker.ended
+
+
 @pytest.fixture
 def worker() -> Any:
     w = Worker()
@@ -86,13 +106,7 @@ def test_a_waiting_program_reads_its_value_off_the_lane_itself(worker: Worker) -
     """While a program runs here (`claimed`), the program that waits reads the socket and
     the value is delivered on its own thread, not on the background reader's."""
     a = worker.lane("tcp://a:1")
-    st = worker.run("r1")
-
-    def program() -> Any:
-        with worker.inbound.claimed():
-            return wait_for(st, "x")
-
-    t, out = in_thread(program, name="program-1")
+    t, out = waiting_program(worker, "r1", "x")
     time.sleep(0.05)                               # it leads, polling the lane
     send(a, "r1", "x", np.arange(6.0))
     t.join(10)
@@ -195,19 +209,10 @@ def test_a_lane_that_ends_is_dropped_and_its_end_told(worker: Worker) -> None:
     """The sender hangs up while a program polls: the lane leaves the polled set, its
     `ended` callback runs, and the other lane keeps delivering to the program."""
     a, b = worker.lane("tcp://a:1"), worker.lane("tcp://b:1")
-    st = worker.run("r1")
-
-    def program() -> Any:
-        with worker.inbound.claimed():
-            return wait_for(st, "x")
-
-    t, out = in_thread(program, name="program-1")
+    t, out = waiting_program(worker, "r1", "x")
     time.sleep(0.05)
     a.close()
-    deadline = time.monotonic() + 10
-    while "tcp://a:1" not in worker.ended and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert worker.ended == ["tcp://a:1"]
+    assert until_ended(worker, "tcp://a:1") == ["tcp://a:1"]
     assert worker.inbound.peers() == ["tcp://b:1"]
     send(b, "r1", "x", np.ones(2))
     t.join(10)
@@ -307,12 +312,7 @@ def test_a_lane_that_sends_garbage_is_dropped_not_the_program(worker: Worker,
 
     bad, good = worker.lane("tcp://bad:1"), worker.lane("tcp://good:1")
     st = worker.run("r1")
-
-    def program() -> Any:
-        with worker.inbound.claimed():
-            return wait_for(st, "x")
-
-    t, out = in_thread(program, name="program-1")
+    t, out = waiting_program(worker, "r1", "x")
     time.sleep(0.05)
     if garbage == "huge frame":
         bad.sendall(struct.pack("<QQ", 1, 1 << 40) + bytes(16))
@@ -328,10 +328,7 @@ def test_a_lane_that_sends_garbage_is_dropped_not_the_program(worker: Worker,
         send(bad, "r1", "y", np.ones(1))
         np.testing.assert_array_equal(wait_for(st, "y"), np.ones(1))
     else:
-        deadline = time.monotonic() + 10
-        while "tcp://bad:1" not in worker.ended and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert worker.ended == ["tcp://bad:1"]
+        assert until_ended(worker, "tcp://bad:1") == ["tcp://bad:1"]
         assert worker.inbound.peers() == ["tcp://good:1"]
 
 
