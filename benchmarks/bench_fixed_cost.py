@@ -104,7 +104,9 @@ def value_and_grad_parts(client: Any, step: Any, params: Any, batches: list[Any]
         t0 = time.perf_counter()
         loss, grads = step(params, *batch)
         t1 = time.perf_counter()
-        futures = client.compute([loss, grads])
+        # the leaves, not the pytree: a list would make Dask add a task that gathers every
+        # gradient on one worker (README)
+        futures = client.compute([loss, *jax.tree_util.tree_leaves(grads)])
         t2 = time.perf_counter()
         client.gather(futures)
         t3 = time.perf_counter()
