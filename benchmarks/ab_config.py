@@ -11,7 +11,7 @@ Per round, `--steps` steps with the key on (set on the client and every worker),
 `--steps` with it off; printed: the running medians of both modes after each round, then
 on / off. A step is `state, loss = trainer.step(state, x); loss.result()`.
 
-Usage: python benchmarks/ab_config.py [--key dagdiff.direct.program-reads] [--rounds 6]
+Usage: python benchmarks/ab_config.py [--key dagdiff.direct.lanes] [--rounds 6]
        [--steps 30]
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ def _program_seconds(records: list[dict[str, Any]]) -> list[float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--key", default="dagdiff.direct.program-reads")
+    ap.add_argument("--key", default="dagdiff.direct.lanes")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps", type=int, default=30)
     cfg = ap.parse_args()

@@ -1,17 +1,16 @@
-"""One value from one idle worker's program to another's: lanes read by the waiting program,
-lanes read by a background thread, the comm on the event loop, and the floor of a raw socket
-between two Python processes, in one run.
+"""One value from one idle worker's program to another's: lanes against the comm on the event
+loop, and the floor of a raw socket between two Python processes, in one run.
 
 On `dd.local_cluster(2)`, a thread of worker A (as a program sends) sends `--messages`
-small values (a 2 KiB array, the tiny job's activation) to worker B, `--gap-ms` apart,
-each carrying the time it was sent; a thread of B waits for each as a program waits
-(`ProgramRun._wait`, the worker's lanes claimed as a running program claims them). Per
-way, in alternating rounds (dask config ``dagdiff.direct.lanes`` switched on the sender,
-``dagdiff.direct.program-reads`` on the receiver), the median of send -> the message read
-on B (`_received`) and send -> the waiting thread awake. The floor: the same with a plain
-TCP socket between two processes, one thread reading and a second one waiting on a
-condition (no Dask, no dagdiff). Clocks are the machine's (`time.time()` in both
-processes). Measures transport and wake-ups only, not compute.
+small values (a 2 KiB array, the size of the tiny job's activation) to worker B, `--gap-ms` apart, each
+carrying the time it was sent; a thread of B waits for each as a program waits
+(`ProgramRun`'s condition) and notes when it woke. Per transport, in alternating rounds
+(dask config ``dagdiff.direct.lanes`` switched on the sender), the median of send -> the
+message read on B (`_received`, on B's lane reader thread or event loop) and send -> the
+waiting thread awake. The floor: the same with a plain TCP socket between two processes,
+one thread reading and a second one waiting on a condition (no Dask, no dagdiff). Clocks
+are the machine's (`time.time()` in both processes). Measures transport and wake-ups
+only, not compute.
 
 Usage: python benchmarks/bench_hop.py [--messages 300] [--rounds 3] [--gap-ms 4]
 """
@@ -29,15 +28,8 @@ from typing import Any
 import numpy as np
 
 
-def _wait_for(prefix: str, n: int, reads: bool, dask_worker: Any) -> bool:
-    """On B: a thread that waits for run `prefix-i`'s value k as a program would (it
-    reads the lanes itself when `reads`: ``dagdiff.direct.program-reads``)."""
-    import contextlib
-
-    import dask
-
-    from dagdiff.runtime.direct.inbound import PROGRAM_READS_KEY
-
+def _wait_for(prefix: str, n: int, dask_worker: Any) -> bool:
+    """On B: a thread that waits for run `prefix-i`'s value k as a program would."""
     rt = dask_worker.extensions["dagdiff"]
     transport = rt.transport
     read_at: dict[str, float] = {}
@@ -54,18 +46,16 @@ def _wait_for(prefix: str, n: int, reads: bool, dask_worker: Any) -> bool:
     out: list[tuple[float, float]] = []
 
     def body() -> None:
-        with dask.config.set({PROGRAM_READS_KEY: reads}):
-            for i in range(n):
-                run = f"{prefix}-{i}"
-                st = rt._state(run)
-                with (transport.inbound.claimed() if st.reads_lanes
-                      else contextlib.nullcontext()), st.cond:
-                    while "k" not in st.values:
-                        st._wait(1.0)
-                    woke = time.time()
-                    sent = float(st.values["k"][0].flat[0])
-                out.append((read_at.get(run, woke) - sent, woke - sent))
-                rt._finish(run, "ended")
+        for i in range(n):
+            run = f"{prefix}-{i}"
+            st = rt._state(run)
+            with st.cond:
+                while "k" not in st.values:
+                    st.cond.wait(5.0)
+                woke = time.time()
+                sent = float(st.values["k"][0].flat[0])
+            out.append((read_at.get(run, woke) - sent, woke - sent))
+            rt._finish(run, "ended")
 
     th = threading.Thread(target=body, daemon=True)
     th.start()
@@ -178,31 +168,28 @@ def main() -> None:
     n, gap, skip = args.messages, args.gap_ms / 1e3, min(20, args.messages // 10)
     cluster = dd.local_cluster(n_workers=2, dashboard_address=None, quiet=True)
     client = Client(cluster)
-    ways = {"reads": (True, True), "lanes": (True, False), "comm": (False, True)}
-    got: dict[str, list[tuple[float, float]]] = {k: [] for k in (*ways, "floor")}
+    got: dict[str, list[tuple[float, float]]] = {"lanes": [], "comm": [], "floor": []}
     try:
         a, b = sorted(client.scheduler_info()["workers"])
         for r in range(args.rounds):
-            for way, (lanes, reads) in ways.items():
-                prefix = f"hop-{way}-{r}"
-                client.run(_wait_for, prefix, n, reads, workers=[b])
+            for lanes in (True, False):
+                prefix = f"hop-{lanes}-{r}"
+                client.run(_wait_for, prefix, n, workers=[b])
                 client.run(_send, b, prefix, n, gap, lanes, workers=[a])
                 out = client.run(_results, workers=[b])[b]
-                got[way] += out[skip:]
+                got["lanes" if lanes else "comm"] += out[skip:]
             got["floor"] += floor(n, gap)[skip:]
     finally:
         client.close()
         cluster.close()
     print(f"one {2048} B value, idle workers, {args.rounds} rounds x {n} messages "
           f"{args.gap_ms:g} ms apart; median since sent")
-    print(_summary("dagdiff, lanes, the program reads", got["reads"]))
-    print(_summary("dagdiff, lanes, a reader thread", got["lanes"]))
+    print(_summary("dagdiff, lanes", got["lanes"]))
     print(_summary("dagdiff, comm on the event loop", got["comm"]))
     print(_summary("raw socket, two Python threads", got["floor"]))
     med = {k: statistics.median(w for _, w in v) for k, v in got.items()}
-    print(f"ratios: program reads / reader thread {med['reads'] / med['lanes']:.2f}, "
-          f"reads / comm {med['reads'] / med['comm']:.2f}, "
-          f"reads / floor {med['reads'] / med['floor']:.2f}")
+    print(f"ratios: lanes / comm {med['lanes'] / med['comm']:.2f}, "
+          f"lanes / floor {med['lanes'] / med['floor']:.2f}")
 
 
 if __name__ == "__main__":

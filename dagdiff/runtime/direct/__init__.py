@@ -26,9 +26,8 @@ bookkeeping. Here a step is a handful of Dask tasks per worker:
 * `transport` + `messages`: ordered typed messages between workers over
   `distributed.comm` (the cluster's TLS, comm backend and serializers apply);
 * `lanes`: on tcp and tls, the comm's socket handed to threads of the two workers (a
-  program writes its small values itself): no event loop between two programs;
-* `inbound`: the receiving ends of a worker's lanes, read by the program that waits for a
-  value (one thread leads at a time), else by one background thread.
+  program writes its small values itself, a reader thread hands them to the waiting
+  program): no event loop between two programs.
 """
 from __future__ import annotations
 

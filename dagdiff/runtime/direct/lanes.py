@@ -4,9 +4,8 @@ tls comm that distributed opened, with no hop through either worker's event loop
 A lane is one-way. The sending worker opens a comm with distributed's `connect` (its
 `Security`, TLS handshake and connection arguments all apply), announces it with the
 ``dagdiff_stream`` handler op and ``lane=True``; the receiver takes the comm's socket from
-its event loop (`internals.take_socket`), answers one byte, and hands the socket to its
-`inbound.Inbound` lanes (read by the program that waits, else by one background thread),
-which hand each message to the runtime; the sender, once it has the byte,
+its event loop (`internals.take_socket`), answers one byte, and a reader thread of its
+own reads the messages and hands each to the runtime; the sender, once it has the byte,
 takes its end's socket the same way. From then on the sender's threads write to it: a
 program writes a small message itself when nothing is queued ahead of it (the message is
 on the wire when `send` returns), anything else goes through the lane's writer thread,
@@ -37,7 +36,6 @@ from distributed.comm import connect
 from distributed.protocol import dumps, loads
 
 from ..internals import take_socket
-from .inbound import Inbound, InLane
 
 
 __all__ = ["LANES_KEY", "lanes_for", "OutLane", "open_lane", "accept_lane", "read_frames",
@@ -49,7 +47,7 @@ log = logging.getLogger(__name__)
 
 #: dask config key: False sends every message through the comm on the event loop
 LANES_KEY = "dagdiff.direct.lanes"
-#: what the receiver answers once its inbound lanes own the socket
+#: what the receiver answers once its reader thread owns the socket
 ACK = b"\x01"
 #: a program writes a message of up to this many bytes itself (a larger one is written by
 #: the lane's writer thread while the program goes on)
@@ -162,13 +160,11 @@ async def open_lane(worker: Any, address: str, timeout: float, op: str
 
 
 async def accept_lane(comm: Any, on_message: Callable[[Any], None],
-                      sockets: set[socket.socket], inbound: Inbound) -> bool:
-    """Receive a lane on `comm` (the ``dagdiff_stream`` handler, on the event loop): its
-    socket joins the worker's `inbound` lanes, whose leading thread (a waiting program,
-    else a background thread) hands each message (as `loads` gives it, values not
-    deserialized) to `on_message` until the sender hangs up. False: this comm has no socket
-    to take (the caller reads the comm itself). The socket is in `sockets` while the lane
-    is open."""
+                      sockets: set[socket.socket]) -> bool:
+    """Receive a lane on `comm` (the ``dagdiff_stream`` handler, on the event loop): a
+    reader thread hands each message (as `loads` gives it, values not deserialized) to
+    `on_message` until the sender hangs up. False: this comm has no socket to take (the
+    caller reads the comm itself). The socket is in `sockets` while the lane is open."""
     sock = await take_socket(comm)
     if sock is None:
         return False
@@ -177,21 +173,30 @@ async def accept_lane(comm: Any, on_message: Callable[[Any], None],
     ended: asyncio.Future = loop.create_future()
     peer = comm.peer_address
 
-    def gone() -> None:
+    def read() -> None:
+        # the reader (a file object of the socket) holds the descriptor open until it is
+        # closed here, whoever closes the socket meanwhile: no read on a reused descriptor
+        reader = None
         try:
-            loop.call_soon_threadsafe(resolve, ended)
-        except RuntimeError:                        # the worker's loop is closed
-            pass
+            sock.sendall(ACK)
+            reader = sock.makefile("rb", buffering=1 << 16)
+            read_messages(reader, False, on_message, peer)
+        except (OSError, ValueError):               # the lane closed (ValueError: its
+            pass                                    # reader closed under it)
+        finally:
+            close_reader(reader)
+            try:
+                loop.call_soon_threadsafe(resolve, ended)
+            except RuntimeError:                    # the worker's loop is closed
+                pass
 
+    thread = threading.Thread(target=read, name=f"dagdiff-lane-from-{peer}", daemon=True)
+    thread.start()
     try:
-        sock.sendall(ACK)
-        inbound.add(InLane(sock, peer, on_message, gone))
         await asyncio.shield(ended)
-    except OSError:                                 # the sender hung up at once
-        pass
     finally:                                        # the sender hung up, or the worker
         sockets.discard(sock)                       # closes (this handler is cancelled)
-        shutdown(sock)                              # the lane's next read ends
+        shutdown(sock)                              # the reader's next read ends
         comm.abort()
     return True
 
@@ -203,7 +208,7 @@ def resolve(fut: asyncio.Future) -> None:
 
 
 def close_reader(reader: Any) -> None:
-    """Close a reader's file object of its socket (None: nothing to close)."""
+    """Close a reader thread's file object of its socket (None: nothing to close)."""
     if reader is not None:
         try:
             reader.close()

@@ -15,7 +15,6 @@ from typing import Any, Callable
 from distributed.metrics import time as now
 
 from ...errors import DirectDispatchError, UpstreamError
-from .inbound import FOLLOW_SLICE, Inbound
 from .messages import End, Failure, Message, Value, pack
 from .plan import PlannedAction
 from .program import Program
@@ -39,8 +38,7 @@ class ProgramRun:
     """One run's state on this worker (created by the first message or by its program's
     start, whichever comes first), and the run of its program."""
 
-    def __init__(self, run: str, keep_for: float, send: Send, probe: Probe,
-                 inbound: Inbound | None = None) -> None:
+    def __init__(self, run: str, keep_for: float, send: Send, probe: Probe) -> None:
         self.run = run
         self.cond = threading.Condition(threading.Lock())
         self.values: dict[str, list[Any]] = {}      # key -> [value, uses left]
@@ -57,16 +55,6 @@ class ProgramRun:
         self.keep_for = keep_for
         self._send_to = send
         self._probe = probe
-        #: the worker's inbound lanes, which this run's program reads itself while it
-        #: waits (`inbound.Inbound`); None: it waits on its condition alone
-        self._inbound = inbound
-        self._leading = False                       # its program polls the lanes now
-        self._news = 0                              # how often it was woken (`_wake`)
-
-    @property
-    def reads_lanes(self) -> bool:
-        """Whether its program reads the worker's inbound lanes while it waits."""
-        return self._inbound is not None
 
     # --- what reaches the run -------------------------------------------------------------
     def deliver(self, msg: Message) -> None:
@@ -80,14 +68,14 @@ class ProgramRun:
                 self.ends[msg.sender] = msg.error
                 if msg.error is not None and self.failed is None:
                     self.failed = msg.error
-            self._wake()
+            self.cond.notify_all()
 
     def cancel(self, why: str) -> None:
         """Stop the program (its step was released while running)."""
         with self.cond:
             if self.abort is None:
                 self.abort = why
-            self._wake()
+            self.cond.notify_all()
 
     def upstream_failed(self, error: str) -> None:
         """Another program of this run's window failed (in an earlier step of the window,
@@ -95,56 +83,13 @@ class ProgramRun:
         with self.cond:
             if self.failed is None:
                 self.failed = error
-            self._wake()
+            self.cond.notify_all()
 
     def peers_lost(self, addresses: Any) -> None:
         """The scheduler removed these workers: a wait on any of them stops now."""
         with self.cond:
             self.lost.update(addresses)
-            self._wake()
-
-    def _wake(self) -> None:
-        """Wake the program (call with the condition): on its condition, or out of its
-        poll of the lanes when it leads."""
-        self._news += 1
-        self.cond.notify_all()
-        inbound = self._inbound
-        if self._leading and inbound is not None \
-                and inbound.leader_thread != threading.get_ident():
-            inbound.kick()                  # not when it reads (and hands over) itself
-
-    def _wait(self, timeout: float) -> None:
-        """Wait (holding the condition) up to `timeout` s for news: leading, the program
-        reads the worker's inbound lanes itself (one thread wakes per value, not the
-        lanes' reader and then the program); while another thread leads, it waits on
-        its condition, as every program did before, woken by what is handed to it and
-        when the lead is free."""
-        inbound = self._inbound
-        if inbound is None:
-            self.cond.wait(timeout)
-            return
-        seen = self._news
-        if inbound.has_lanes:
-            self._leading = True
-            self.cond.release()
-            try:
-                # news that came while the condition was free stops it before its poll
-                # (that kick may have been drained by another leader)
-                led = inbound.pump(timeout, lambda: self._news != seen)
-            finally:
-                self.cond.acquire()
-                self._leading = False
-            if led or self._news != seen:
-                return
-            slice_ = min(timeout, FOLLOW_SLICE)
-        else:
-            slice_ = timeout                   # a lane that opens wakes it to lead
-        inbound.follow(self.cond)
-        try:
-            if self._news == seen and not (inbound.has_lanes and not inbound.leader):
-                self.cond.wait(slice_)
-        finally:
-            inbound.unfollow(self.cond)
+            self.cond.notify_all()
 
     # --- running the program --------------------------------------------------------------
     def execute(self, prog: Program, statics: dict[str, Any], local: dict[str, list[Any]],
@@ -236,7 +181,7 @@ class ProgramRun:
                 on_state(state, why)
                 next_probe = time.monotonic() + PROBE_EVERY
                 continue
-            self._wait(min(deadline - t, next_probe - t, 1.0))
+            self.cond.wait(min(deadline - t, next_probe - t, 1.0))
 
     def _take_remote(self, prog: Program, a: PlannedAction, key: str, src: str) -> Any:
         """An input from another worker: its message (or its error)."""
@@ -313,7 +258,7 @@ class ProgramRun:
                     self.gone.add(where)
                     if counted:
                         self.send_errors.append(f"{what} ({type(error).__name__}: {error})")
-                self._wake()
+                self.cond.notify_all()
 
         self._send_to(address, msg, done)
 
@@ -347,7 +292,7 @@ class ProgramRun:
                     return DirectDispatchError(
                         f"{prog.key} on {prog.where}: {self.pending} value(s) still not "
                         f"sent after {prog.timeout:g} s; is a consumer's worker stuck?")
-                self._wait(min(left, 1.0))
+                self.cond.wait(min(left, 1.0))
             if self.send_errors:
                 return self._send_failure(prog)
         return None

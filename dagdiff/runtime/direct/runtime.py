@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import itertools
 import logging
 import threading
@@ -36,7 +35,6 @@ from ...errors import DirectDispatchError
 from ..internals import scheduler_delay
 from ..live import ActionReporter
 from .inbox import INBOX_OP, InboxEnds
-from .inbound import PROGRAM_READS_KEY
 from .messages import End, Failure, Message
 from .program import Program
 from .results import Export, LocalImport, ProgramResult
@@ -156,10 +154,8 @@ class DirectRuntime:
                 return None
             st = self._runs.get(run)
             if st is None:
-                st = self._runs[run] = ProgramRun(
-                    run, max(STALE_AFTER, 2 * _timeout()), self.transport.send, self._probe,
-                    self.transport.inbound if dask.config.get(PROGRAM_READS_KEY, True)
-                    else None)
+                st = self._runs[run] = ProgramRun(run, max(STALE_AFTER, 2 * _timeout()),
+                                                   self.transport.send, self._probe)
                 self._sweep(st.created)
             if start:
                 if st.started:
@@ -339,11 +335,8 @@ class DirectRuntime:
         if secede:
             _secede()
         try:
-            # while it runs, the program reads the worker's lanes when it waits
-            with (self.transport.inbound.claimed() if st.reads_lanes
-                  else contextlib.nullcontext()):
-                return self._execute(prog, run, st, number, static_values, task or prog.key,
-                                     close)
+            return self._execute(prog, run, st, number, static_values, task or prog.key,
+                                 close)
         finally:
             if task:
                 self._running.pop(task, None)

@@ -7,8 +7,7 @@ handler op ``dagdiff_stream``, which dagdiff's worker extension registers on eve
 worker (as distributed's P2P shuffle registers its handlers). No socket is opened that
 Dask does not own. On tcp and tls the comm's socket then becomes a *lane* (`lanes`):
 threads write and read it, a program's small message is on the wire when `send`
-returns, and on the receiver the program waiting for it reads it (`inbound`), without
-either event loop.
+returns, and the receiver's reader thread hands it over, without either event loop.
 On other backends (and with dask config ``dagdiff.direct.lanes: false``) messages to one
 peer are written in order on that comm by the worker's event loop, several at a time when
 they queue up, and the receiver reads them there. Either way a peer's messages arrive in
@@ -30,7 +29,6 @@ from distributed.comm.core import CommClosedError
 from distributed.protocol import Serialize, Serialized
 
 from ..internals import DONT_REPLY, inline_writes, merge_and_deserialize, raw_comm
-from .inbound import Inbound
 from .lanes import (OutLane, accept_lane, lanes_for, open_lane, send_failure, shutdown,
                     tell)
 from .messages import Message, from_wire, to_wire
@@ -71,7 +69,7 @@ class _Peer:
 
 class Transport:
     """One worker's message streams: `send` from any thread, received messages handed to
-    `deliver` (from whichever thread reads the lanes, or on the event loop), in each sender's
+    `deliver` (from a lane's reader thread, or on the event loop), in each sender's
     order. `deliver` must be thread-safe."""
 
     def __init__(self, worker: Any, deliver: Callable[[Message | DecodeError], None],
@@ -82,9 +80,6 @@ class Transport:
         self._lanes: dict[str, OutLane] = {}
         self._lanes_lock = threading.Lock()
         self._in_sockets: set[socket.socket] = set()
-        #: the lanes other workers opened to this one, read by a waiting program or a
-        #: background thread
-        self.inbound = Inbound()
         self._closed = False
         worker.handlers[STREAM_OP] = self._accept
 
@@ -208,13 +203,13 @@ class Transport:
     # --- receiving ----------------------------------------------------------------------
     async def _accept(self, comm: Any, lane: bool = False) -> Any:
         """Handler of ``dagdiff_stream``: read the peer's messages until it hangs up (on a
-        lane: the worker's inbound lanes read them). Values are deserialized one by one, so one
+        lane: its reader thread reads them). Values are deserialized one by one, so one
         that fails becomes an error for its key and the stream goes on."""
         raw_comm(comm)
         peer = comm.peer_address
         if lane:
             if not await accept_lane(comm, lambda msgs: self._received(msgs, peer),
-                                     self._in_sockets, self.inbound):
+                                     self._in_sockets):
                 comm.abort()                    # the sender sees no ACK: it fails
             return DONT_REPLY
         while not comm.closed():
@@ -255,7 +250,6 @@ class Transport:
             lane.close()
         for sock in list(self._in_sockets):
             shutdown(sock)
-        self.inbound.close()
         for peer in self._peers.values():
             for _, done in list(peer.queue):
                 done(ConnectionError(f"{self.worker.address} is closing"))
