@@ -273,18 +273,25 @@ def main() -> None:
     ap.add_argument("--floor", action="store_true")
     ap.add_argument("--zero", action="store_true")
     ap.add_argument("--switch", default=TEMPLATES_KEY, metavar="KEY")
+    ap.add_argument("--address", default=None,
+                    help="a running cluster's scheduler (two workers with slot0 / slot1, "
+                         "started as the README's 'Running on a real cluster' says)")
     cfg = ap.parse_args()
     if cfg.scale:
         scale(cfg.scale)
         return
     from distributed import Client
 
-    cluster = dd.local_cluster(n_workers=2, dashboard_address=None, quiet=True)
-    client = Client(cluster)
+    if cfg.address:
+        cluster, client = None, Client(cfg.address)
+    else:
+        cluster = dd.local_cluster(n_workers=2, dashboard_address=None, quiet=True)
+        client = Client(cluster)
     if cfg.floor:
         floor(client, cfg)
         client.close()
-        cluster.close()
+        if cluster is not None:
+            cluster.close()
         return
     loss_fn, params, batches, what = make_job(cfg)
     step = dd.value_and_grad(loss_fn, microbatches=cfg.microbatches, schedule="1f1b")
@@ -322,7 +329,8 @@ def main() -> None:
         b = statistics.median(rows[off][k])
         print(f"{k:16s} {1e3 * a:8.1f} ms {1e3 * b:8.1f} ms {a / b:7.2f}")
     client.close()
-    cluster.close()
+    if cluster is not None:
+        cluster.close()
 
 
 if __name__ == "__main__":
