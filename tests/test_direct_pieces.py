@@ -13,6 +13,7 @@ import pytest
 
 import dagdiff as dd
 from dagdiff.runtime.direct import Consumers, PlannedAction, Program, run_program
+from dagdiff.runtime.direct import run as run_mod
 from dagdiff.runtime.direct import runtime as rt_mod
 from dagdiff.runtime.direct.messages import Value, pack
 from tests.models import assert_matches_jax, data, make_loss, probe_every
@@ -177,8 +178,9 @@ def test_a_window_step_failing_after_its_peer_went_on_stops_the_peers_window(
     bad = [submit("win0-bad", a0, rest0, "nbad"), submit("win1-bad", a1, rest1, "nbad")]
     with pytest.raises(ValueError, match="boom in step 1"):
         bad[0].result(timeout=30)
-    with pytest.raises(dd.UpstreamError, match="boom in step 1"):
+    with pytest.raises(ValueError, match="boom in step 1") as e:
         bad[1].result(timeout=30)                   # within 30 s: not its 60 s timeout
+    assert not isinstance(e.value, dd.UpstreamError)    # slot0's own exception, again
 
 
 def test_a_run_starts_once_per_worker(inproc: Any) -> None:
@@ -620,10 +622,17 @@ def test_an_import_comes_from_the_run_that_made_it_else_from_memory_else_fails()
     prog = SimpleNamespace(key="prog_slot0-n0-b", where="slot0", timeout=0.3)
     st = SimpleNamespace(abort=None)
     rt.keep_exports("s1", {"update_g0-a": 41})
-    rt.keep_exports("s2", "ValueError: fragile: input too large")
+    rt.keep_exports("s2", rt_mod.Failed("ValueError: fragile: input too large"))
     assert rt.take_import(prog, st, LocalImport("update_g0-A", "s1", "update_g0-a")) == 41
     with pytest.raises(DirectDispatchError, match="fragile: input too large"):
         rt.take_import(prog, st, LocalImport("update_g0-B", "s2", "update_g0-a"))
+    # an exception that travels: the failed run's own, again, with a note saying where
+    cause = run_mod.cause_of(ValueError("fragile: input too large"))
+    rt.keep_exports("s2b", rt_mod.Failed("ValueError: fragile: input too large", cause))
+    with pytest.raises(ValueError, match="fragile: input too large") as e:
+        rt.take_import(prog, st, LocalImport("update_g0-B2", "s2b", "update_g0-a"))
+    assert type(e.value) is ValueError
+    assert "the step before" in "".join(e.value.__notes__)
     rt.worker.data["update_g0-C"] = 42                 # picked by its own output task
     assert rt.take_import(prog, st, LocalImport("update_g0-C", "s3", "update_g0-a")) == 42
 
@@ -812,3 +821,38 @@ def test_every_worker_hears_of_a_removed_worker_from_the_scheduler(client2: Any)
 def _remove_on_scheduler(address: str, dask_scheduler: Any) -> None:
     """Call dagdiff's scheduler plugin as the scheduler does when a worker leaves."""
     dask_scheduler.plugins["dagdiff-colocate-vjp"].remove_worker(dask_scheduler, address)
+
+
+class _LockedError(ValueError):
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.lock = threading.Lock()            # pickle refuses it
+
+
+def test_a_failure_elsewhere_is_raised_as_the_failing_programs_own_exception() -> None:
+    """What a program raises when another program of its step failed: a copy of that
+    program's exception (its type, message and notes: a layer's ValueError is a
+    ValueError on every worker, whichever Dask reports), passed on again by the programs
+    it fails in turn; an `UpstreamError` with the text where the exception cannot travel
+    (it does not pickle, or it is dagdiff's own dispatch error)."""
+    from dagdiff.errors import DirectDispatchError
+    from dagdiff.runtime.direct.messages import End, Failure
+
+    boom = ValueError("boom in layer dense")
+    boom.add_note("in the forward of layer 'dense' (stage 1, microbatch 0)")
+    cause = run_mod.cause_of(boom)
+    assert cause is not None
+    assert run_mod.cause_of(_LockedError("no")) is None
+    assert run_mod.cause_of(DirectDispatchError("lost")) is None
+    assert run_mod.cause_of(ValueError("x" * (run_mod.CAUSE_BYTES + 10))) is None
+
+    st = run_mod.ProgramRun("r1", 1.0, lambda *a: None, lambda *a: ("running", ""))
+    st.deliver(Failure("r1", "fwd_dense-s1-m0", "fwd_dense failed on slot1: boom", cause))
+    again = st.upstream(st.errors["fwd_dense-s1-m0"])
+    assert type(again) is ValueError and str(again) == "boom in layer dense"
+    assert again.__notes__ == boom.__notes__
+    assert run_mod.cause_of(again) == cause             # passed on as it came
+    assert run_mod._describe(again, "elsewhere") == "boom in layer dense"
+    st.deliver(End("r1", "slot2", "the step failed on slot2: it broke", None))
+    plain = st.upstream(st.ends["slot2"])
+    assert isinstance(plain, dd.UpstreamError) and "it broke" in str(plain)

@@ -33,11 +33,15 @@ class Value:
 
 @dataclasses.dataclass(frozen=True)
 class Failure:
-    """The action `key` will not produce a value: why (it, or something upstream, failed)."""
+    """The action `key` will not produce a value: why (it, or something upstream, failed),
+    and the exception that failed, pickled (`cause`: None when it does not pickle, or for
+    dagdiff's own dispatch errors), which the receiver raises in turn: the step fails
+    with the model's own exception on every worker."""
 
     run: str
     key: str
     error: str
+    cause: bytes | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +51,7 @@ class End:
     run: str
     sender: str
     error: str | None = None
+    cause: bytes | None = None            # as `Failure.cause`
 
 
 Message = Union[Value, Failure, End]

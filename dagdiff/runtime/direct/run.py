@@ -8,6 +8,7 @@ marks, a cancellation, lost peers, failed sends) lives under its one condition.
 """
 from __future__ import annotations
 
+import pickle
 import threading
 import time
 from typing import Any, Callable
@@ -20,7 +21,8 @@ from .plan import PlannedAction
 from .program import Program
 
 
-__all__ = ["ProgramRun", "Send", "Probe", "PROBE_AFTER", "PROBE_EVERY"]
+__all__ = ["ProgramRun", "Send", "Probe", "PROBE_AFTER", "PROBE_EVERY", "CAUSE_BYTES",
+           "cause_of", "exception_of"]
 
 #: seconds an input may be awaited before its producer's worker is asked about the run,
 #: and between asks: a lost worker fails the step in seconds, not after the timeout
@@ -50,6 +52,7 @@ class ProgramRun:
         self.send_errors: list[str] = []
         self.gone: set[str] = set()                 # workers a message could not reach
         self.lost: set[str] = set()                 # addresses the scheduler removed
+        self.causes: dict[str, bytes] = {}          # an error's text -> its exception
         self.created = time.monotonic()
         self.started = False
         self.keep_for = keep_for
@@ -62,7 +65,11 @@ class ProgramRun:
         with self.cond:
             if isinstance(msg, Value):
                 self.values[msg.key] = [msg.value, msg.uses]
-            elif isinstance(msg, Failure):
+                self.cond.notify_all()
+                return
+            if msg.error is not None and msg.cause is not None:
+                self.causes.setdefault(msg.error, msg.cause)
+            if isinstance(msg, Failure):
                 self.errors[msg.key] = msg.error
             else:
                 self.ends[msg.sender] = msg.error
@@ -77,10 +84,12 @@ class ProgramRun:
                 self.abort = why
             self.cond.notify_all()
 
-    def upstream_failed(self, error: str) -> None:
+    def upstream_failed(self, error: str, cause: bytes | None = None) -> None:
         """Another program of this run's window failed (in an earlier step of the window,
         which this worker already finished): stop at the next action, with its error."""
         with self.cond:
+            if cause is not None:
+                self.causes.setdefault(error, cause)
             if self.failed is None:
                 self.failed = error
             self.cond.notify_all()
@@ -144,7 +153,7 @@ class ProgramRun:
         if self.abort is not None:
             raise DirectDispatchError(f"{a.key} on {prog.where}: {self.abort}")
         if self.failed is not None:
-            raise UpstreamError(self.failed)
+            raise self.upstream(self.failed)
         if self.send_errors:
             raise self._send_failure(prog)
         if self.lost:
@@ -212,7 +221,7 @@ class ProgramRun:
                 "tasks legitimately take longer; dispatch='scheduler' recomputes lost work.",
                 on_state)
             if key in self.errors:
-                raise UpstreamError(self.errors[key])
+                raise self.upstream(self.errors[key])
             value = self.values[key]
             value[1] -= 1
             if value[1] <= 0:
@@ -237,7 +246,14 @@ class ProgramRun:
                 "finish its part of the step: a worker was lost or an action hangs. "
                 "Compute the step again.", on_state)
             if self.ends[where] is not None:
-                raise UpstreamError(self.ends[where])
+                raise self.upstream(self.ends[where])
+
+    def upstream(self, error: str) -> BaseException:
+        """What this program raises for a failure elsewhere in the step (`error`, as the
+        failing program told it): the failing program's own exception where it came
+        along (a copy: a layer's ValueError is a ValueError on every worker of the step,
+        whichever of them Dask reports first), else an `UpstreamError` naming it."""
+        return exception_of(self.causes.get(error)) or UpstreamError(error)
 
     # --- messages out -----------------------------------------------------------------------
     def _send(self, target: tuple[str, str], msg: Message, counted: bool) -> None:
@@ -275,9 +291,10 @@ class ProgramRun:
         if self.abort is not None:
             return
         text = _describe(error, f"{a.key} failed on {prog.where}")
+        cause = cause_of(error)
         for r in a.remote:
             if r.where not in self.gone:
-                self._send((r.where, r.address), Failure(self.run, a.key, text),
+                self._send((r.where, r.address), Failure(self.run, a.key, text, cause),
                            counted=False)
 
     def _flush(self, prog: Program) -> BaseException | None:
@@ -311,9 +328,11 @@ class ProgramRun:
             return failure
         if failure is not None:
             text = _describe(failure, f"the step failed on {prog.where}")
+            cause = cause_of(failure)
             for target in prog.members:
                 if target[0] not in self.gone:
-                    self._send(target, End(self.run, prog.where, text), counted=False)
+                    self._send(target, End(self.run, prog.where, text, cause),
+                               counted=False)
             return failure
         for target in prog.members:
             self._send(target, End(self.run, prog.where), counted=True)
@@ -349,8 +368,51 @@ def _take_local(local: dict[str, list[Any]], key: str) -> Any:
 
 def _describe(error: BaseException, what: str) -> str:
     """An error as other programs read it: upstream and dispatch errors as they are
-    (they already name the first failure), others prefixed with where they happened."""
-    if isinstance(error, (UpstreamError, DirectDispatchError)):
+    (they already name the first failure), and so a failure elsewhere raised here again
+    (`ProgramRun.upstream`); others prefixed with where they happened."""
+    if isinstance(error, (UpstreamError, DirectDispatchError)) or \
+            getattr(error, "_dagdiff_cause", None) is not None:
         return str(error)
     return f"{what}: {type(error).__name__}: {error}"
+
+
+#: the largest pickled exception a failure message carries (larger: its text only)
+CAUSE_BYTES = 64 * 1024
+
+
+def cause_of(error: BaseException) -> bytes | None:
+    """`error` pickled for the other programs of the step to raise (`Failure.cause`), or
+    None: dagdiff's dispatch errors (a lost worker, a cancellation, a timeout: each
+    program says where it stands itself), an exception that does not pickle or that
+    pickles to more than `CAUSE_BYTES`."""
+    cause = getattr(error, "_dagdiff_cause", None)
+    if cause is not None:
+        return cause
+    if isinstance(error, (UpstreamError, DirectDispatchError)) or \
+            not isinstance(error, Exception):
+        return None
+    try:
+        cause = pickle.dumps(error, protocol=pickle.HIGHEST_PROTOCOL)
+        pickle.loads(cause)                     # it must come back, too
+    except Exception:                           # noqa: BLE001 - the text goes alone
+        return None
+    return cause if len(cause) <= CAUSE_BYTES else None
+
+
+def exception_of(cause: bytes | None) -> BaseException | None:
+    """A fresh copy of the exception `cause_of` pickled (it carries its cause on, for
+    the programs it fails in turn), or None."""
+    if cause is None:
+        return None
+    try:
+        e = pickle.loads(cause)
+    except Exception:                           # noqa: BLE001 - the caller's text then
+        return None
+    if not isinstance(e, BaseException):
+        return None
+    try:
+        e._dagdiff_cause = cause                # type: ignore[attr-defined]
+    except AttributeError:                      # no __dict__: passed on as text
+        pass
+    return e
 

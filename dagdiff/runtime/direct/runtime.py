@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import itertools
 import logging
 import threading
@@ -38,13 +39,13 @@ from .inbox import INBOX_OP, InboxEnds
 from .messages import End, Failure, Message
 from .program import Program
 from .results import Export, LocalImport, ProgramResult
-from .run import ProgramRun
+from .run import ProgramRun, cause_of, exception_of
 from .transport import STATUS_OP, WRITE_TIMEOUT, DecodeError, Transport
 
 
 __all__ = ["EXTENSION", "DirectRuntime", "install", "runtime",
            "run_program", "run_programs", "new_nonce", "RunNonce", "stamp_run_nonces",
-           "NONCE_TAKERS",
+           "NONCE_TAKERS", "Failed",
            "compute_log",
            "STALE_AFTER", "PEER_LOST_OP"]
 
@@ -65,6 +66,22 @@ IMPORT_POLL = 0.05
 #: seconds values received for a run whose program never started here are kept (its
 #: step was cancelled before it ran here); at least twice the step's timeout
 STALE_AFTER = 3600.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Failed:
+    """How a run that exports values for the next step ended instead: its error's text,
+    and the exception pickled (`run.cause_of`; None when it does not travel)."""
+
+    text: str
+    cause: bytes | None = None
+
+
+def _note(error: BaseException, note: str) -> None:
+    try:
+        error.add_note(note)
+    except Exception:                           # noqa: BLE001 - a frozen exception
+        pass
 
 
 def new_nonce() -> str:
@@ -131,10 +148,12 @@ class DirectRuntime:
         #: nonce -> the first failure another worker reported for a run under it: a
         #: window's steps share their nonce, and a worker ahead of the failed one (it
         #: finished that step without waiting, `ProgramRun.execute`'s ``close``) stops
-        self._failed: collections.OrderedDict[str, str] = collections.OrderedDict()
+        #: (its text, its exception pickled or None)
+        self._failed: collections.OrderedDict[str, tuple[str, bytes | None]] = \
+            collections.OrderedDict()
         #: run serial -> its exports (or its error) for the newest programs that ended
         #: here, and the condition a program waiting for one of them (`take_import`) waits on
-        self._exports: collections.OrderedDict[str, dict[str, Any] | str] = \
+        self._exports: collections.OrderedDict[str, dict[str, Any] | Failed] = \
             collections.OrderedDict()
         self._ended = threading.Condition(self._lock)
         #: its ends of clients' inboxes, where gathered programs push their outputs
@@ -213,24 +232,24 @@ class DirectRuntime:
             msg = Failure(run, key, f"the value of {key} could not be received on "
                                     f"{self.worker.address}: {why}")
         if isinstance(msg, End) and msg.error is not None:
-            self._nonce_failed(msg.run, msg.error)
+            self._nonce_failed(msg.run, msg.error, msg.cause)
         st = self._state(msg.run)
         if st is not None:                           # else: late, for a finished run
             st.deliver(msg)
 
-    def _nonce_failed(self, run: str, error: str) -> None:
+    def _nonce_failed(self, run: str, error: str, cause: bytes | None = None) -> None:
         """A program of `run` failed elsewhere: every run here under the same nonce (the
         later steps of its window) stops, and so does one that starts later."""
         nonce = _nonce_of(run)
         with self._lock:
             if nonce in self._failed:
                 return
-            self._failed[nonce] = error
+            self._failed[nonce] = (error, cause)
             while len(self._failed) > 1024:
                 self._failed.popitem(last=False)
             others = [st for r, st in self._runs.items() if r != run and _nonce_of(r) == nonce]
         for st in others:
-            st.upstream_failed(error)
+            st.upstream_failed(error, cause)
 
     def cancel(self, key: str) -> None:
         """A program task was released while running (the client let go of its step):
@@ -274,14 +293,14 @@ class DirectRuntime:
             exports = self._run(prog, nonce, static_values, task, secede, number, close)
             kept = exports
         except BaseException as e:
-            kept = f"{type(e).__name__}: {e}"
+            kept = Failed(f"{type(e).__name__}: {e}", cause_of(e))
             raise
         finally:
             if serial:
                 self.keep_exports(serial, kept)
         return ProgramResult(prog.key, exports)
 
-    def keep_exports(self, serial: str, kept: dict[str, Any] | str) -> None:
+    def keep_exports(self, serial: str, kept: dict[str, Any] | Failed) -> None:
         """Keep what run `serial` exported (or its error) for a later `LocalImport`, the
         newest `EXPORTS_KEPT` runs only, and wake the programs waiting for one."""
         with self._lock:
@@ -329,7 +348,7 @@ class DirectRuntime:
             failed = self._failed.get(nonce)
         st.peers_lost(lost)
         if failed is not None:                      # an earlier step of its window
-            st.upstream_failed(failed)
+            st.upstream_failed(*failed)
         if number is None:
             number = self.new_number()
         if secede:
@@ -352,11 +371,16 @@ class DirectRuntime:
         while True:
             with self._lock:
                 got = self._exports.get(imp.serial)
-            if isinstance(got, str):
+            if isinstance(got, Failed):
+                what = (f"{prog.key} on {prog.where}: the step before, whose program here "
+                        f"makes this step's input {imp.key}, failed")
+                again = exception_of(got.cause)
+                if again is not None:             # that step's own exception, once more
+                    _note(again, f"dagdiff: {what} with it")
+                    raise again
                 raise DirectDispatchError(
-                    f"{prog.key} on {prog.where}: the step before, whose program here makes "
-                    f"this step's input {imp.key}, failed ({got[:500]}). Compute the step "
-                    "again from a state that exists (trainer.fit does).")
+                    f"{what} ({got.text[:500]}). Compute the step again from a state that "
+                    "exists (trainer.fit does).")
             if got is not None and imp.export in got:
                 return got[imp.export]
             try:                                  # outside the lock: it may read a spill
