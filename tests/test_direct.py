@@ -553,6 +553,50 @@ def _two_stage_job(seed: int, n: int) -> tuple[list[Any], list[tuple[Any, Any]]]
     return params, batches
 
 
+def _program_states(dask_scheduler: Any) -> dict[str, str]:
+    return {str(k): ts.state for k, ts in dask_scheduler.tasks.items()
+            if str(k).startswith("prog_")}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_a_step_submitted_again_while_one_program_task_lingers_runs_as_one(
+        client2: Any) -> None:
+    """The same Trainer step submitted a second time (a fit run again from the same
+    state, as a benchmark or a re-run cell does) after the client let go of all of the
+    first submission but one new parameter: the scheduler keeps that parameter's
+    program task, released, with its first graph (the first build's run id), and makes
+    the other program from the new graph. Both must run as one run of the step: they
+    did not (each waited for the other until the timeout, the hang of the 8 x 1024
+    benchmark), because the scheduler gave each graph's run id its own fresh one."""
+    import optax
+
+    params, batches = _two_stage_job(5, 2)
+    with dask.config.set({"dagdiff.direct.timeout": "8s"}):
+        tr = dd.Trainer(_two_stage_loss, optax.sgd(0.05), microbatches=2,
+                        schedule="1f1b", client=client2)
+        state = tr.init(params)
+        state, loss = tr.step(state, *batches[0])
+        loss.result(timeout=60)
+        first, loss = tr.step(state, *batches[1])
+        loss.result(timeout=60)
+        kept = first.placed[(0, 1)]                # stage 1's new parameters, held
+        other, loss = tr.step(state, *batches[0])  # the trainer's latest is another
+        loss.result(timeout=60)
+        del first, loss, other
+        time.sleep(0.5)                            # the releases reach the scheduler
+        token = kept.key.rsplit("-", 1)[1]
+        progs = {k: v for k, v in client2.run_on_scheduler(_program_states).items()
+                 if k.endswith(token)}
+        assert progs == {f"prog_slot1-n1-{token}": "released"}, progs   # it lingers
+        again, loss = tr.step(state, *batches[1])  # the same keys, a new graph
+        assert kept.key in {f.key for f in again.placed.values()}
+        assert np.isfinite(loss.result(timeout=60))
+    p, want = _optax_reference(optax.sgd(0.05), params, batches)
+    np.testing.assert_allclose(float(loss.result()), want[1], rtol=1e-5)
+    close(tr.params(again), p)
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("chain", [True, False])
 def test_a_trainer_step_takes_the_state_of_the_step_before_in_place(
@@ -885,6 +929,39 @@ def test_a_windows_steps_keep_their_losses_once_one_step_took_them(client2: Any)
     alone = WindowLoss(fut.key, client2, 9, (), 2)    # not sharing them: the cancelled key
     with pytest.raises(Exception):
         alone.result(timeout=30)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("window", [3, 8])
+def test_a_layer_failing_inside_a_window_keeps_the_steps_before_it(client2: Any,
+                                                                   window: int) -> None:
+    """A layer fails in step 4 of 7, inside a window (window=3: the second window,
+    steps 3-5; window=8: the one window): fit raises the layer's own exception with one
+    note saying 4 steps finished, and goes on from step 4's state: the steps of the
+    window before the failing one are not lost with it (README: "the steps before it end
+    first, even those in its window"). The final parameters equal optax's over the good
+    batches. The same failing fit run again from the same state says so again, once."""
+    import optax
+
+    params, good = _two_stage_job(3, 6)
+    bad = (jnp.full((8, 8), 1000.0), good[0][1])
+    batches = [*good[:4], bad, *good[4:6]]
+    opt = optax.sgd(0.05)
+    tr = dd.Trainer(fragile_loss, opt, microbatches=2, schedule="1f1b", client=client2)
+    state = tr.init(params)
+    for attempt in range(2):
+        with pytest.raises(RuntimeError, match="fragile: input too large") as e:
+            tr.fit(batches, state=state, progress=False, window=window)
+        assert type(e.value) is RuntimeError, repr(e.value)
+        notes = [n for n in getattr(e.value, "__notes__", [])
+                 if n.startswith("dagdiff: Trainer.fit stopped")]
+        assert len(notes) == 1 and "after 4 finished step(s)" in notes[0], notes
+    after, more = tr.fit(good[4:6], progress=False, window=window)     # from step 4
+    assert after.step == 6 and len(more) == 2
+    p, want = _optax_reference(opt, params, good[:6])
+    np.testing.assert_allclose(more, want[4:], rtol=1e-5)
+    close(tr.params(after), p)
 
 
 @pytest.mark.distributed

@@ -34,13 +34,15 @@ def setup(n_batches: int = 3) -> tuple[Any, list[Any]]:
     return params, batches
 
 
-def reference(params: Any, batches: list[Any], opt: Any) -> tuple[Any, list[float]]:
+def reference(params: Any, batches: list[Any], opt: Any, fn: Any = None
+              ) -> tuple[Any, list[float]]:
     state = opt.init(params)
     losses = []
+    fn = fn or loss_fn
 
     @jax.jit
     def step(p: Any, s: Any, x: Any, t: Any) -> Any:
-        loss, g = jax.value_and_grad(loss_fn)(p, x, t)
+        loss, g = jax.value_and_grad(fn)(p, x, t)
         u, s = opt.update(g, s, p)
         return optax.apply_updates(p, u), s, loss
 
@@ -65,6 +67,32 @@ def test_trainer_local_matches_optax() -> None:
     close(trainer.params(state), want)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
 
+
+
+def deep_loss(params: Any, x: Any, t: Any) -> Any:
+    """As many dense layers as `params` has, the first half on stage 0."""
+    h = x
+    for i, p in enumerate(params):
+        with dd.stage(i * 2 // len(params)):
+            h = M.dense(p, h)
+    with dd.stage(1):
+        return M.mse(h, t)
+
+
+def test_init_with_another_model_trains_that_model() -> None:
+    """A re-run cell: the same Trainer's `init` given a model with more layers (the
+    batches' shapes unchanged) trains the new model, as optax does, and gives its
+    parameters back in their shape; so does a model whose leaves only change shape."""
+    _, batches = setup()
+    opt = optax.adam(1e-2)
+    trainer = dd.Trainer(deep_loss, opt, microbatches=4, schedule="1f1b")
+    for widths in ([6, 8, 4], [6, 8, 8, 4], [6, 5, 7, 4]):
+        params = M.init_dense(KEY, widths)
+        want, want_losses = reference(params, batches, opt, deep_loss)
+        trainer.init(params)
+        state, losses = trainer.fit(batches, progress=False)
+        np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+        close(trainer.params(state), want)
 
 
 def test_an_optimizer_that_couples_stages_is_refused_unless_asked_per_stage() -> None:

@@ -20,7 +20,7 @@ from ..cluster.info import (
 )
 from ..errors import (ArgumentError, LayerShapeError, LostStateError, MicrobatchError,
                       PlacementError, TracerError, TrainerError, WorkerLostError)
-from .recovery import Recovery
+from .recovery import Recovery, WindowLoss
 from .state import TrainState
 from .window import can_share, submit_window
 
@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 __all__ = ["FitRun", "InFlight", "NoBar", "AutoWindow"]
 
 log = logging.getLogger(__name__)
+
+#: how the note `fit` adds to the error that stopped it begins
+_STOPPED = "dagdiff: Trainer.fit stopped"
 
 
 class AutoWindow:
@@ -317,6 +320,11 @@ class FitRun:
         self.trainer._last = self.finished
         self.bar.close()
         try:
+            # the same exception object comes back when the same failed step is asked
+            # again (a fit re-run from the same state): one note, this fit's
+            notes = getattr(error, "__notes__", None)
+            if isinstance(notes, list):
+                notes[:] = [n for n in notes if not str(n).startswith(_STOPPED)]
             n = len(self.losses)
             error.add_note(
                 f"dagdiff: Trainer.fit stopped after {n} finished step(s) (this fit's "
@@ -365,12 +373,40 @@ class FitRun:
         self.bar.set_postfix(loss=f"{self.losses[-1]:.4f}")
         self.bar.update(1)
 
+    def split_window(self) -> bool:
+        """The oldest step failed, and with it the rest of its window (one computation:
+        a layer failing in one step fails them all): run the steps in flight again one
+        at a time from the last finished state, so that those before the failing step
+        end and keep their state, and the failing step raises its error alone; False
+        when the oldest step was not part of a window of several."""
+        pending = self.pending
+        loss = pending[0].loss
+        if not isinstance(loss, WindowLoss) or sum(
+                isinstance(e.loss, WindowLoss) and e.loss.key == loss.key
+                for e in pending) < 2:
+            return False
+        todo = [e.batch for e in pending]
+        pending.clear()                           # let go of the failed window's futures
+        self.window, self.auto = 1, None          # the rest of this fit: one by one
+        log.info("dagdiff: a window of Trainer.fit failed; its steps run again one at a "
+                 "time from step %d", self.finished.step)
+        now = self.finished
+        for b in todo:
+            after, loss = self.trainer.step(now, *b)
+            pending.append(InFlight(loss, now, after, b))
+            now = after
+        return True
+
     def recover(self, error: Exception) -> None:
         """The oldest step failed: when a worker was lost, run it (and those after it)
-        again on the live workers from the newest state that can be restored; else raise."""
+        again on the live workers from the newest state that can be restored; when the
+        model failed in a window, run the window's steps again one by one
+        (`split_window`); else raise."""
         tr, pending = self.trainer, self.pending
         entry = pending[0]
         if not tr.recovering or tr.client is None or self.retries >= tr.max_retries:
+            if self.split_window():
+                return
             raise error
         t0, wall = time.monotonic(), time.time()
         # the workers the step ran on, those of the state it read, and the one a program
@@ -382,8 +418,10 @@ class FitRun:
         gone = (error.workers if isinstance(error, WorkerLostError)  # the loss found them
                 else lost_workers(tr.client, ran_on,
                                   wait=10.0 if may_be_a_lost_worker(error) else 0.0))
-        if not gone:
-            raise error                           # the model failed, not a worker
+        if not gone:                              # the model failed, not a worker
+            if self.split_window():
+                return
+            raise error
         self.retries += 1
         forget_workers(tr.client)
         log.warning("dagdiff: step %d failed after losing worker(s) %s (%s: %s); "

@@ -172,6 +172,8 @@ class Trainer(StepGraph, Restoring):
         #: where the newest steps' state values come from (`import_locally`): Future key
         #: -> the program that exports it, for the next step's program on that worker
         self._sources: dict[str, Source] = {}
+        #: the parameters' structure and leaf shapes and dtypes `init` last took
+        self._signature: Any = None
 
     # --- state ------------------------------------------------------------------------
     def init(self, params: Any, *example_batch: Any) -> TrainState:
@@ -189,6 +191,15 @@ class Trainer(StepGraph, Restoring):
                 raise ArgumentError(f"Trainer parameters must be float arrays; leaf {i} is "
                                     f"{type(x).__name__} {getattr(x, 'dtype', '')}. Keep "
                                     "constants out of the params pytree (close over them).")
+        signature = (self._treedef, tuple((tuple(np.shape(x)), str(x.dtype)) for x in leaves))
+        if signature != self._signature:
+            # another model (other leaves or shapes: a re-run cell with a changed model):
+            # what was traced, checked and timed for the old one does not hold for it
+            self._cache.clear()
+            self._checked.clear()
+            self._windows.clear()
+            self._sources.clear()
+            self._signature = signature
         self._template = list(leaves)
         self._state_bytes = None
         state = TrainState(0, params=tuple(leaves), owner=self._ref)

@@ -45,7 +45,7 @@ from .transport import STATUS_OP, WRITE_TIMEOUT, DecodeError, Transport
 
 __all__ = ["EXTENSION", "DirectRuntime", "install", "runtime",
            "run_program", "run_programs", "new_nonce", "RunNonce", "stamp_run_nonces",
-           "NONCE_TAKERS", "Failed",
+           "NONCE_TAKERS", "Failed", "run_group",
            "compute_log",
            "STALE_AFTER", "PEER_LOST_OP"]
 
@@ -107,15 +107,30 @@ NONCE_TAKERS: list[Any] = []
 
 def stamp_run_nonces(task: Any, fresh: dict[str, "RunNonce"]) -> Any:
     """`task` (a ``dask._task_spec.Task``) with each `RunNonce` among its arguments
-    replaced by a fresh one, the same for equal ones within `fresh` (the table of one
-    scheduler stimulus: a step's programs, or a window's, carry one nonce and are
-    submitted together), or None when it carries none."""
+    replaced by a fresh one, or None when it carries none. `fresh` is the table of one
+    scheduler stimulus (a step's programs, or a window's, are submitted together): the
+    programs of one step (`run_group`) get the same fresh id, whatever id their graph
+    gave them, since the scheduler may hold on to a program task made from an earlier
+    graph of the same step (its key is the same) while it makes the others from the new
+    graph; each graph's own id would split the step into runs that wait for each other
+    (`tests/test_direct.py`, a step submitted again while a program task lingers)."""
     args = task.args
     if not any(type(a) is RunNonce for a in args):
         return None
-    new = tuple(fresh.setdefault(a, RunNonce(new_nonce())) if type(a) is RunNonce else a
-                for a in args)
+    group = run_group(task)
+    new = tuple(fresh.setdefault(group or a, RunNonce(new_nonce())) if type(a) is RunNonce
+                else a for a in args)
     return type(task)(task.key, task.func, *new, **task.kwargs)
+
+
+def run_group(task: Any) -> str | None:
+    """The step a program task runs (the `Program.step` of its first program: a window
+    task's is its first step's), which the step's other program tasks share; None for a
+    task that carries no program."""
+    for a in task.args:
+        if isinstance(a, Program):
+            return f"step:{a.step}"
+    return None
 
 
 class DirectRuntime:
