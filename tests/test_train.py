@@ -95,6 +95,32 @@ def test_init_with_another_model_trains_that_model() -> None:
         close(trainer.params(state), want)
 
 
+def test_apply_if_finite_couples_stages_and_is_refused() -> None:
+    """`optax.apply_if_finite` skips the whole update when any gradient is not finite:
+    applied per stage, a NaN in stage 1's gradients would skip stage 1's update and
+    still move stage 0's (the tester's case: optax moved nothing). It is refused like a
+    global-norm clip, by its non-finite trial; element-wise optimizers, NaN-safe ones
+    included, still pass the check."""
+    params, batches = setup()
+    guarded = optax.apply_if_finite(optax.sgd(0.1), 3)
+    trainer = dd.Trainer(loss_fn, guarded, microbatches=2, schedule="1f1b")
+    state = trainer.init(params)
+    with pytest.raises(dd.OptimizerError, match=r"(?s)couples.*NaN in one gradient of stage 1"):
+        trainer.step(state, *batches[0])
+    from dagdiff.train.optimizer import check_per_stage
+
+    leaves = jax.tree_util.tree_leaves(params)
+    groups, stages = [(0, 1), (2, 3)], [0, 1]
+    for ok in (optax.adam(1e-3), optax.chain(optax.zero_nans(), optax.adam(1e-3)),
+               optax.lamb(1e-3), optax.MultiSteps(optax.adam(1e-3), 2)):
+        check_per_stage(ok, leaves, groups, stages)
+    # what the check guards against, on the stand-ins: optax skips both stages
+    g = [jnp.ones_like(x) for x in leaves]
+    g[2] = g[2].reshape(-1).at[0].set(jnp.nan).reshape(g[2].shape)
+    updates, _ = guarded.update(g, guarded.init(leaves), leaves)
+    assert all(not np.any(u) for u in updates)
+
+
 def test_an_optimizer_that_couples_stages_is_refused_unless_asked_per_stage() -> None:
     """Regression: dagdiff applies the optimizer to each stage's parameters on its worker,
     so `optax.clip_by_global_norm` clipped each stage by its own norm and the parameters
@@ -322,6 +348,8 @@ def test_checkpoint_round_trip_and_exact_resume(tmp_path: Any) -> None:
     assert restored.step == 3
     close(restored.params, jax.tree_util.tree_leaves(t2.params(half)), rtol=0)
     t3 = dd.Trainer(loss_fn, opt, microbatches=2, schedule="gpipe")
+    with pytest.raises(dd.TrainerError, match=r"(?s)trainer.init.*trainer.fit.*dd.load"):
+        t3.fit(batches[3:], state=restored, progress=False)     # no structure yet
     t3.init(params)                                   # the model's structure
     resumed, _ = t3.fit(batches[3:], state=restored, progress=False)
     assert resumed.step == 6
@@ -508,6 +536,31 @@ def test_the_client_heap_is_frozen_after_the_first_and_sixteenth_step(monkeypatc
     froze = [i + 1 for i in range(40) if heap.freeze_heap(object())]
     assert froze == [1, 16] and heap.heap_frozen()
     assert calls == ["collect", "freeze@1", "collect", "freeze@16"]
+
+
+@pytest.mark.distributed
+def test_a_state_of_a_closed_client_says_so(client2: Any) -> None:
+    """A state made through a Client that was closed since (its values went with it),
+    given to a Trainer on another client: a LostStateError that says the client was
+    closed and how to go on, not that a worker was lost."""
+    from distributed import Client
+
+    params, batches = setup()
+    other = Client(client2.scheduler.address, set_as_default=False)
+    try:
+        tr = dd.Trainer(loss_fn, optax.sgd(0.1), microbatches=2, schedule="1f1b",
+                        client=other)
+        state, loss = tr.step(tr.init(params), *batches[0])
+        loss.result(timeout=60)
+    finally:
+        other.close()
+    fresh = dd.Trainer(loss_fn, optax.sgd(0.1), microbatches=2, schedule="1f1b",
+                       client=client2)
+    fresh.init(params)
+    with pytest.raises(dd.LostStateError, match=r"(?s)Client that is closed.*no worker"):
+        fresh.step(state, *batches[1])
+    state, losses = fresh.fit(batches, progress=False)        # from its own init
+    assert len(losses) == len(batches)
 
 
 @pytest.mark.distributed

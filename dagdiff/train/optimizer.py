@@ -109,7 +109,8 @@ def check_per_stage(optimizer: Any, leaves: Sequence[Any], groups: Sequence[Sequ
     """Raise `OptimizerError` when `optimizer` applied to each group's parameter leaves
     alone (as a Trainer applies it: a list of the stage's leaves, on the stage's worker)
     gives other updates than applied to all `leaves` at once, over two steps with
-    gradients at two scales (1, and 1e8: every global-norm clip active). Run on small
+    gradients at two scales (1, and 1e8: every global-norm clip active), and with a NaN
+    in one gradient of the last stage (optax.apply_if_finite skips every update). Run on small
     stand-ins of the leaves (each dimension cut to 3, float32, fixed random values), on
     the CPU: it checks the optimizer's math, not the model's sizes. First (and alone with
     ``compare=False``) the optimizer is evaluated abstractly on the real shapes as a list
@@ -138,8 +139,17 @@ def check_per_stage(optimizer: Any, leaves: Sequence[Any], groups: Sequence[Sequ
     with jax.default_device(cpu):
         params = [stand_in(x) for x in leaves]
         base = [(stand_in(x), stand_in(x)) for x in leaves]
-        for scale in _CHECK_SCALES:
-            grads = [(a * scale, b * scale) for a, b in base]
+        trials = [(f"gradients of scale {scale:g}", [(a * scale, b * scale) for a, b in base])
+                  for scale in _CHECK_SCALES]
+        # a non-finite gradient on the last stage alone (in its first step): a transform
+        # that skips or zeroes every update then (optax.apply_if_finite) reads them all
+        poisoned = list(base)
+        first = groups[-1][0]
+        a, b = poisoned[first]
+        if a.size:
+            poisoned[first] = (a.reshape(-1).at[0].set(jnp.nan).reshape(a.shape), b)
+            trials.append((f"a NaN in one gradient of stage {stages[-1]} only", poisoned))
+        for what, grads in trials:
             try:
                 whole = _checked_steps(optimizer, params, grads)
             except Exception:                 # noqa: BLE001 - the real run will say
@@ -160,17 +170,18 @@ def check_per_stage(optimizer: Any, leaves: Sequence[Any], groups: Sequence[Sequ
                         "optimizer for every parameter, or a model on one stage") from e
                 for i, u in zip(group, got):
                     parts[i] = u
-            top = max(float(np.max(np.abs(u))) if u.size else 0.0 for u in whole) or 1.0
+            top = max(float(np.nanmax(np.abs(u))) if np.isfinite(u).any() else 0.0
+                      for u in whole) or 1.0
             for group, stage in zip(groups, stages):
                 for i in group:
-                    if not np.allclose(parts[i], whole[i], rtol=1e-4, atol=1e-5 * top):
+                    if not np.allclose(parts[i], whole[i], rtol=1e-4, atol=1e-5 * top,
+                                       equal_nan=True):
                         raise OptimizerError(
                             f"dd.Trainer: the optimizer couples the parameters of different "
                             f"stages: applied to stage {stage}'s parameters alone (as dagdiff "
                             f"applies it, on the stage's worker) its update of parameter "
                             f"leaf {i} (shape {tuple(np.shape(leaves[i]))}) differs from "
-                            f"its update of the whole model, with gradients of scale "
-                            f"{scale:g}. A transform that reads every gradient does this "
+                            f"its update of the whole model, with {what}. A transform that reads every gradient does this "
                             "(optax.clip_by_global_norm, optax.apply_if_finite, noise drawn "
                             "for the whole tree). Fix: for a global-norm clip, drop it from "
                             "the optimizer and pass dd.Trainer(..., clip_global_norm=c) (the "

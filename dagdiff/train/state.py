@@ -15,7 +15,14 @@ if TYPE_CHECKING:
     from .trainer import Trainer
 
 
-__all__ = ["TrainState", "state_identity", "batch_token"]
+__all__ = ["TrainState", "state_identity", "batch_token", "NOT_INITIALIZED"]
+
+#: what a Trainer that `init` never saw says when asked to step
+NOT_INITIALIZED = (
+    "this Trainer has not seen the model's parameters yet: call trainer.init(params) "
+    "before trainer.step or trainer.fit (a state from dd.load holds the parameters' "
+    "leaves, not their structure: call trainer.init with parameters of the model's "
+    "structure, e.g. the initial ones, then trainer.fit(batches, state=loaded))")
 
 
 @dataclass(frozen=True)

@@ -28,13 +28,13 @@ from ..build import (
 from ..cluster.info import check_open
 from ..cluster.targets import Targets
 from ..core.keys import make_key
-from ..errors import ArgumentError, TrainerError
+from ..errors import ArgumentError, LostStateError, TrainerError
 from ..runtime.tasks import mean_task
 from ..runtime.taskspec import DataNode, Task, TaskRef
 from .allreduce import tree_allreduce
 from .optimizer import ScaledOptimizer, norm_task, sumsq_task, update_task
 from .recovery import Recovery
-from .state import TrainState, batch_token, state_identity
+from .state import NOT_INITIALIZED, TrainState, batch_token, state_identity
 
 __all__ = ["SOURCES_KEPT", "Prepared", "StepModel", "StepGraph", "shard", "stage_address"]
 
@@ -88,7 +88,7 @@ class StepGraph:
     def _prepare(self, state: TrainState, batch: Sequence[Any]) -> Prepared:
         """A step's graph, built (and chained to the step before) but not submitted."""
         if self._treedef is None:
-            raise TrainerError("call Trainer.init(params) before Trainer.step")
+            raise TrainerError(NOT_INITIALIZED)
         if not isinstance(state, TrainState):
             raise ArgumentError(
                 f"Trainer.step takes the TrainState from Trainer.init (or the previous step), "
@@ -96,6 +96,17 @@ class StepGraph:
                 "state, loss = trainer.step(state, x, t)")
         if self.client is not None:
             check_open(self.client)
+        gone = {id(c): c for f in (state.placed or {}).values()
+                if (c := getattr(f, "client", None)) is not None and c is not self.client
+                and getattr(c, "status", "running") in ("closing", "closed")}
+        if gone:
+            raise LostStateError(
+                f"this state (step {state.step}) was held by a Client that is closed "
+                f"({next(iter(gone.values()))!r}): its values went with it (Dask releases "
+                "a closed client's data), no worker was lost. Go on from a checkpoint "
+                "(dd.save before closing the client, then trainer.init(params) and "
+                "trainer.fit(batches, state=dd.load(path))) or from parameters gathered "
+                "before (trainer.params(state), then trainer.init)")
         model = self._model(batch)
         if not state.is_placed:
             state = self._place(state, model)

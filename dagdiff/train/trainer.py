@@ -51,7 +51,7 @@ from .fit import FitRun, NoBar
 from .optimizer import check_per_stage
 from .recovery import Placement, Recovery, StepLoss
 from .restoring import Restoring
-from .state import TrainState
+from .state import NOT_INITIALIZED, TrainState
 from .step_graph import StepGraph, StepModel, stage_address
 
 
@@ -285,7 +285,7 @@ class Trainer(StepGraph, Restoring):
         if key in self._cache:
             return self._cache[key]
         if self._treedef is None:
-            raise TrainerError("call Trainer.init(params) before Trainer.step")
+            raise TrainerError(NOT_INITIALIZED)
         pavals = jax.tree_util.tree_unflatten(self._treedef, [
             jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in self._template])
         try:
