@@ -65,6 +65,26 @@ def test_batch_options_are_checked_and_named() -> None:
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_a_split_argument_cannot_be_differentiated_with_microbatches() -> None:
+    """The gradient of an argument split into microbatches came back as one
+    microbatch's shape, the sum over the microbatches ((2, 8) for x of (4, 8)), without
+    a word; now a clear error at build time. With one microbatch the input gradient is
+    the batch's, as jax gives it."""
+    params, x, t = data()
+    for fn in (dd.value_and_grad, dd.grad):
+        with pytest.raises(dd.ArgumentError, match=r"(?s)'x' \(position 1\) is both.*"
+                                                   r"microbatches=1"):
+            fn(loss_fn, argnums=(0, 1), microbatches=2, schedule="1f1b",
+               batch_argnums=(1, 2))(params, x, t)
+    _, grads = dd.value_and_grad(loss_fn, argnums=(0, 1), microbatches=1, schedule="1f1b",
+                                 batch_argnums=(1, 2))(params, x, t)
+    got = dask.compute(grads, scheduler="sync")[0]
+    want = jax.grad(loss_fn, argnums=(0, 1))(params, x, t)
+    assert np.shape(got[1]) == np.shape(x)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_aux_mismatches_say_has_aux() -> None:
     params, x, t = data()
 
@@ -246,6 +266,74 @@ def _loss_with(params: Any, x: Any, t: Any, guard: Any) -> Any:
         h = _scaled_with(params[0], x, guard)
     with dd.stage(1):
         return M.mse(M.dense(params[1], h), t)
+
+
+class _RaisesOnUnpickle:
+    """Pickles, but its unpickling raises (as a jax.custom_vjp object does)."""
+
+    scale = 1.0
+
+    def __reduce__(self) -> Any:
+        return (_refuse, ())
+
+
+def _refuse() -> Any:
+    raise RuntimeError("cannot be rebuilt here")
+
+
+_ONE_WAY = _RaisesOnUnpickle()
+
+
+@jax.custom_vjp
+def _identity_vjp(y: Any) -> Any:
+    return y
+
+
+_identity_vjp.defvjp(lambda y: (y, None), lambda _, ct: (ct,))
+
+
+def _one_way_layer(kind: str) -> Any:
+    if kind == "reduce":
+        def one_way(p: Any, x: Any) -> Any:
+            return jnp.tanh(x @ p["w"] + p["b"]) * _ONE_WAY.scale
+    else:
+        def one_way(p: Any, x: Any) -> Any:
+            return _identity_vjp(jnp.tanh(x @ p["w"] + p["b"]))
+    return dd.layer(one_way, name="one_way")
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["reduce", "custom_vjp"])
+def test_a_layer_that_does_not_unpickle_is_named_and_the_workers_stay(client2: Any,
+                                                                      kind: str) -> None:
+    """A layer whose function pickles but cannot be rebuilt from its bytes (it uses a
+    jax.custom_vjp function, or an object whose unpickling raises): on a worker its
+    task did not deserialize, distributed dropped the worker (every worker of the step,
+    the cluster left with none) and step.compute waited for workers. The build now
+    rebuilds each layer's bytes once and names the layer and its stage; the workers
+    stay, and the same model with a plain layer computes."""
+    layer = _one_way_layer(kind)
+
+    def loss(params: Any, x: Any, t: Any) -> Any:
+        with dd.stage(0):
+            h = M.dense(params[0], x)
+        with dd.stage(1):
+            return M.mse(layer(params[1], h), t)
+
+    params = M.init_dense(jax.random.PRNGKey(0), [4, 4, 4])
+    x, t = jnp.ones((4, 4)), jnp.zeros((4, 4))
+    with client2.as_current():
+        with pytest.raises(dd.LayerTypeError) as e:
+            dd.value_and_grad(loss, microbatches=2, schedule="1f1b").compute(params, x, t)
+    msg = str(e.value)
+    assert "'one_way'" in msg and "stage 1" in msg and "cannot be rebuilt" in msg
+    assert len(client2.scheduler_info()["workers"]) == 2
+    with client2.as_current():
+        got = dd.value_and_grad(loss_fn, microbatches=2, schedule="1f1b").compute(
+            params, x, t)
+    np.testing.assert_allclose(got[0], jax.value_and_grad(loss_fn)(params, x, t)[0],
+                               rtol=1e-5)
 
 
 @pytest.mark.distributed

@@ -35,7 +35,7 @@ from ..core.keys import make_key
 from ..core.microbatch import microbatch_avals
 from ..core.trace_fn import argnames, argnums_of, check_loss, is_input, split_aux, trace_call
 from ..core.tracer import Trace, Traced, home_stages, is_array
-from ..errors import LayerShapeError
+from ..errors import ArgumentError, LayerShapeError
 from ..lowering import template as templates
 from ..lowering.collection import DelayedTree, needs_collection
 from ..lowering.graph import OutKey, assemble, pinned, submit, to_delayed
@@ -180,6 +180,17 @@ def trace_model(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str
         batch_nums = (tuple(i for i in range(len(args)) if i not in nums)
                       if options.batch_argnums is None
                       else argnums_of(options.batch_argnums, len(args), fname, "batch_argnums"))
+        both = [i for i in batch_nums if i in nums]
+        if both and m > 1 and splits is None:
+            i = both[0]
+            raise ArgumentError(
+                f"{fname}: argument {names[i]!r} (position {i}) is both differentiated "
+                f"(argnums={options.argnums!r}) and split into {m} microbatches "
+                f"(batch_argnums={options.batch_argnums!r}); dagdiff sums a differentiated "
+                "argument's gradient over the microbatches (as for parameters), which for a "
+                "split argument would be one microbatch's shape, not the batch's. Take its "
+                "gradient without microbatches (microbatches=1), or leave it out of "
+                "batch_argnums")
         traced_args = microbatch_avals(args, names, batch_nums, options.batch_axis, m)
     else:
         batch_nums, traced_args = (), list(args)

@@ -16,15 +16,57 @@ __all__ = ["check_shippable"]
 
 _PLAIN = (int, float, complex, str, bytes, bool, type(None), type(Ellipsis), slice)
 _checked: dict[tuple[int, int], bool] = {}          # (id of spec, leaf) -> picklable
+_layers_ok: dict[str, bool] = {}                    # a layer's payload digest -> rebuilt
+
+
+def _check_layer(spec: Any, node: Any) -> None:
+    """Rebuild `spec`'s layer from the bytes it travels as (`core.byvalue`), once per
+    payload: a function that pickles but does not unpickle (a ``jax.custom_vjp`` object,
+    an object whose ``__reduce__`` raises) fails here, on the client, with its name."""
+    layer = getattr(spec, "layer", None)
+    reduce = getattr(layer, "__reduce__", None)
+    if layer is None or reduce is None:
+        return
+    try:
+        rebuild, args = reduce()
+    except Exception as e:                          # noqa: BLE001 - the pickling itself
+        raise _unshippable(spec, node, "cannot be pickled", e) from None
+    if not (isinstance(args, tuple) and len(args) == 2 and isinstance(args[1], bytes)):
+        return                                      # not a by-value payload
+    digest = str(args[0])
+    if _layers_ok.get(digest):
+        return
+    try:
+        cloudpickle.loads(args[1])                  # not `rebuild`: it would hit the cache
+    except Exception as e:                          # noqa: BLE001 - any unpickling failure
+        raise _unshippable(spec, node, "pickles but cannot be rebuilt from its bytes",
+                           e) from None
+    if len(_layers_ok) > 4096:
+        _layers_ok.clear()
+    _layers_ok[digest] = True
+
+
+def _unshippable(spec: Any, node: Any, what: str, e: BaseException) -> LayerTypeError:
+    return LayerTypeError(
+        f"layer {spec.name!r} (call {node.index}, stage {node.stage}) {what} "
+        f"({type(e).__name__}: {str(e)[:300]}), so no worker could run it: distributed "
+        "drops a worker whose task does not deserialize. Its function, or something it "
+        "uses (a jax.custom_vjp / custom_jvp function, an object with its own __reduce__), "
+        "travels by value from here; define what does not round-trip in a module the "
+        "workers import (then it travels by reference), write the rule with "
+        "dd.custom_layer(fwd, bwd), or compute on local threads (no distributed client).")
 
 
 def check_shippable(trace: Trace) -> None:
-    """Raise `LayerTypeError` for the first static (non-array) argument of a layer call
-    in `trace` that cannot be pickled (a lock, an open file, a client)."""
+    """Raise `LayerTypeError` for the first layer of `trace` whose function cannot be
+    rebuilt from its pickled bytes (a worker could not read the step: distributed drops
+    a worker whose task does not deserialize), and for the first static (non-array)
+    argument of a layer call that cannot be pickled (a lock, an open file, a client)."""
     for node in trace.nodes:
         spec = node.spec
         if spec is None:
             continue
+        _check_layer(spec, node)
         for i, (kind, value) in enumerate(zip(spec.kinds, spec.statics)):
             if kind != "s" or _plain(value):
                 continue
