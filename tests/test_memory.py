@@ -330,6 +330,26 @@ def _step_peaks_on(client2: Any) -> None:
         assert max(first[w], second[w]) <= rec.peak_memory()[w]
 
 
+@pytest.mark.distributed
+def test_a_templates_steps_are_recorded_under_their_own_keys(client2: Any) -> None:
+    """Two steps of one template (same shapes, other batches) recorded in one block:
+    each action carries its own step's key (the token of that step's Delayed), not the
+    template's first step's, so `step_peaks` tells the two steps apart (it saw one)."""
+    loss = staged(2, 4)
+    args = mlp(16, 8, 4)
+    other = (args[0], args[1] + 1.0, args[2])
+    step = dd.value_and_grad(loss, microbatches=4, schedule="1f1b")
+    step.compute(args[0], args[1] - 1.0, args[2], client=client2)     # makes the template
+    with dd.record(client2) as rec:
+        step.compute(*args, client=client2)
+        step.compute(*other, client=client2)
+    with client2.as_current():
+        want = {str(step(*a)[0].key).rsplit("-", 1)[-1] for a in (args, other)}
+    got = {str(r.key).rsplit("-", 1)[-1] for r in rec.tasks if r.phase in ("F", "B")}
+    assert got == want
+    assert len(rec.step_peaks()) == 2
+
+
 def test_accumulation_follows_the_schedules_backward_order() -> None:
     """looped-bfs runs a stage's backwards from the last microbatch down: its gradient
     sums chain in that order, so no microbatch's gradients wait for others."""

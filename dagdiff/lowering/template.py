@@ -171,7 +171,7 @@ class StepTemplate:
                 dsk[k1] = DataNode(k1, host_view(values[t.slot]))
             elif isinstance(t, Task) and t.func is run_program:
                 prog: Program = t.args[0]
-                prog = dataclasses.replace(prog, key=k1, step=new)
+                prog = dataclasses.replace(prog, key=k1, step=new, origin=prog.origin or old)
                 args = [host_view(values[a.slot]) if isinstance(a, _Slot)
                         else (held[a.key] if isinstance(a, TaskRef) and a.key in held else
                               TaskRef(subs.get(a.key, a.key)) if isinstance(a, TaskRef) else a)

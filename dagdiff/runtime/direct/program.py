@@ -49,6 +49,16 @@ class Program:
     live: bool = False
     #: a template's program (`dagdiff.lowering.template`): its body is pickled once
     shared: bool = False
+    #: the token of the step a template's actions were built for (their keys carry it),
+    #: when this program is that template bound to step `step` ("": the keys are its own)
+    origin: str = ""
+
+    def own_key(self, key: str) -> str:
+        """An action's key as this step's own graph would name it (`origin` -> `step`):
+        what the action log and the dashboard report."""
+        if not self.origin:
+            return key
+        return key.replace(self.origin, self.step).replace(self.origin[:12], self.step[:12])
 
     def address_of(self, where: str) -> str:
         for w, address in self.members:
@@ -60,16 +70,16 @@ class Program:
         if not self.shared:
             return Program, (self.key, self.step, *self._body())
         body_id, blob = _BODIES.pickled(self._body())
-        return _program, (self.key, self.step, body_id, blob)
+        return _program, (self.key, self.step, body_id, blob, self.origin)
 
     def _body(self) -> tuple[Any, ...]:
         return (self.where, self.address, self.actions, self.statics, self.timeout,
                 self.members, self.live)
 
 
-def _program(key: str, step: str, body_id: str, blob: bytes) -> Program:
+def _program(key: str, step: str, body_id: str, blob: bytes, origin: str = "") -> Program:
     """Unpickle a `Program` (see `Program.__reduce__`)."""
-    return Program(key, step, *_BODIES.body(body_id, blob), shared=True)
+    return Program(key, step, *_BODIES.body(body_id, blob), shared=True, origin=origin)
 
 
 class _BodyCache:

@@ -424,6 +424,7 @@ class DirectRuntime:
         live = self.reporter(task) if prog.live else None
 
         def ran(key: str, start: float, stop: float) -> None:
+            key = prog.own_key(key)
             self.log.append((key, start, stop, task, number))
             if live is not None:
                 live.add(key, start, stop)
