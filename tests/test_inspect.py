@@ -276,6 +276,23 @@ def test_recording_steps_whose_values_came_by_push_shows_every_program(
 
 
 @pytest.mark.distributed
+def test_a_recording_holds_no_action_of_a_step_that_ended_before_it(client2: Any) -> None:
+    """`step.compute` returns once the programs push their values, a moment before the
+    scheduler hears that the program tasks ended; a recording opened right after it
+    held that earlier step's actions too (3 recordings in 30 had 24 or 32 F/B actions
+    instead of 16, and a bubble of 0.99). Each recording now holds its own step only."""
+    params, x, t = data(2, batch=16)
+    step = dd.value_and_grad(make_loss(2), microbatches=4, schedule="1f1b")
+    step.compute(params, x, t, client=client2)
+    for i in range(12):
+        step.compute(params, x - 1.0 - i, t, client=client2)
+        with dd.record(client2) as rec:
+            step.compute(params, x + i, t, client=client2)
+        fb = [r for r in rec.compute_tasks() if r.phase in ("F", "B")]
+        assert len(fb) == 2 * 4 * 2, (i, len(fb))
+
+
+@pytest.mark.distributed
 def test_recording_a_trainer_step_shows_every_program(client4: Any, tmp_path: Any) -> None:
     """A `Trainer.step` whose loss came by push, read inside the block, a moment before
     its programs' tasks end (the README's `dd.record` example, and `python -m dagdiff demo

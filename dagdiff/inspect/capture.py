@@ -47,6 +47,10 @@ def record(client: Any = None) -> Iterator[Recording]:
                             f"got {type(c).__name__} {c!r}; e.g. dd.record(Client(address))")
     rec = Recording()
     if c is not None:
+        # steps that ended before the block whose program tasks the scheduler still has
+        # running (their values came by push): their end must not land in this block's
+        # task stream (a recording held an earlier step.compute's actions)
+        _settle(c)
         _sampling(c, memory.start)
         try:
             with get_task_stream(c) as ts:
@@ -92,8 +96,8 @@ def record(client: Any = None) -> Iterator[Recording]:
 
 
 def _settle(client: Any) -> None:
-    """Wait (at most `SETTLE_FOR` s in all) for the tasks of steps whose values the client
-    took by push to end, and for the program tasks the scheduler still has running (a
+    """Wait (at most `SETTLE_FOR` s in all; at the start and the end of a block) for the
+    tasks of steps whose values the client took by push to end, and for the program tasks the scheduler still has running (a
     `Trainer.step`'s loss comes by push while its program task ends): a program is in
     the task stream only once the scheduler heard of its end."""
     give_up = time.monotonic() + SETTLE_FOR
