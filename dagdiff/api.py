@@ -129,7 +129,11 @@ def grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool
 def trace(fn: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False,
           **options: Any) -> Callable[..., TracedGraph]:
     """Like `dd.value_and_grad(fn, ...)` (same options: microbatches, schedule, stages,
-    placement, fuse, ...) but returns a `TracedGraph` to inspect; runs nothing."""
+    placement, fuse, ...) but returns a `TracedGraph` to inspect; runs nothing. On a
+    cluster it shows the forward and VJP tasks (the graph of ``dispatch="scheduler"``,
+    unless `dispatch` is given): direct dispatch runs the same tasks, in the same order,
+    as the actions of one program task per worker, which would hide them."""
+    options.setdefault("dispatch", "scheduler")
     opts = Options.make("dd.trace", argnums=argnums, has_aux=has_aux, **options)
 
     @functools.wraps(fn)

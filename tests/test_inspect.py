@@ -276,6 +276,23 @@ def test_recording_steps_whose_values_came_by_push_shows_every_program(
 
 
 @pytest.mark.distributed
+def test_a_trace_on_a_cluster_shows_the_forward_and_vjp_tasks(client2: Any) -> None:
+    """dd.trace with a cluster client current showed direct dispatch's program tasks
+    only (11 tasks, no F or B); it shows the forward and VJP tasks as without a cluster
+    (direct dispatch runs those same tasks as actions), unless dispatch= says otherwise."""
+    params, x, t = data(2, batch=16)
+    with client2.as_current():
+        g = dd.trace(make_loss(2), microbatches=4, schedule="1f1b")(params, x, t)
+        programs = dd.trace(make_loss(2), microbatches=4, schedule="1f1b",
+                            dispatch="direct")(params, x, t)
+    local = dd.trace(make_loss(2), microbatches=4, schedule="1f1b")(params, x, t)
+    phases = g.tasks_by_phase()
+    assert phases["F"] == local.tasks_by_phase()["F"] == 2 * 4
+    assert phases["B"] == 2 * 4
+    assert programs.tasks_by_phase()["F"] == 0
+
+
+@pytest.mark.distributed
 def test_a_recording_holds_no_action_of_a_step_that_ended_before_it(client2: Any) -> None:
     """`step.compute` returns once the programs push their values, a moment before the
     scheduler hears that the program tasks ended; a recording opened right after it
