@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import traceback
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
@@ -319,6 +320,10 @@ class FitRun:
         self.history.clear()
         self.trainer._last = self.finished
         self.bar.close()
+        # the error's traceback keeps the frames it went through, and their locals hold
+        # the failed steps' futures; the futures' state holds the error: a cycle that
+        # kept the failed program tasks on the workers until the garbage collector ran
+        traceback.clear_frames(error.__traceback__)
         try:
             # the same exception object comes back when the same failed step is asked
             # again (a fit re-run from the same state): one note, this fit's
