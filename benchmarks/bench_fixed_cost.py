@@ -34,9 +34,11 @@ pays here.
 zero-time sleep stages (`dagdiff.examples.simulated`, so this measures building and dispatch
 only): the first build (trace + lower + rewrite), its run, and a later step's build from
 the template (new batch), with their ratio; each build's time per p * m.
+--address ADDR: instead of `dd.local_cluster(2)`, a running cluster's scheduler (two workers
+with the slot0 / slot1 resources, started as the README's "Running on a real cluster" says).
 Usage: python benchmarks/bench_fixed_cost.py [--width 64] [--batch 64] [--layers 4]
        [--microbatches 8] [--steps 20] [--rounds 3] [--scale 4:16 16:64 64:256] [--floor]
-       [--zero] [--switch KEY]
+       [--zero] [--switch KEY] [--address ADDR]
 """
 from __future__ import annotations
 
