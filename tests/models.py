@@ -70,6 +70,17 @@ def mlp_loss(params: Any, x: Any, t: Any) -> Any:
     return mse(h, t)
 
 
+def staged_loss(params: Any, x: Any, t: Any) -> Any:
+    """As many dense layers as `params` has, the first half on stage 0, the rest and the
+    loss on stage 1."""
+    h = x
+    for i, p in enumerate(params):
+        with dd.stage(i * 2 // len(params)):
+            h = dense(p, h)
+    with dd.stage(1):
+        return mse(h, t)
+
+
 def residual_loss(params: Any, x: Any, t: Any) -> Any:
     h = dense(params[0], x)
     h = dense(params[1], h) + h           # skip connection via a traced '+'

@@ -69,14 +69,7 @@ def test_trainer_local_matches_optax() -> None:
 
 
 
-def deep_loss(params: Any, x: Any, t: Any) -> Any:
-    """As many dense layers as `params` has, the first half on stage 0."""
-    h = x
-    for i, p in enumerate(params):
-        with dd.stage(i * 2 // len(params)):
-            h = M.dense(p, h)
-    with dd.stage(1):
-        return M.mse(h, t)
+deep_loss = M.staged_loss          # as many layers as the params have
 
 
 def test_init_with_another_model_trains_that_model() -> None:
