@@ -1,7 +1,7 @@
 """What runs inside the tasks: forward (value + pullback), VJP, sums, slices."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -258,7 +258,20 @@ def _custom_fwd(spec: CallSpec, srcs: tuple[int, ...], vals: Sequence[Any], devi
                 tag: Any) -> FwdResult:
     out, res = fwd_result(_call_rule(spec, spec.layer.fwd_rule,
                                      _dyn_args(spec, srcs, vals, device)), spec.name)
-    return FwdResult(jax.tree_util.tree_leaves(out), None, tag=tag, res=res)
+    leaves, tree = jax.tree_util.tree_flatten(out)
+    # the residuals travel with the output's structure (leaves as 0), which the bwd
+    # rule's cotangent takes: a rule returning ``(y, (a, b))`` or a dict gets its
+    # cotangent in that form, as `jax.custom_vjp` gives it
+    return FwdResult(leaves, None, tag=tag,
+                     res=_CustomRes(res, jax.tree_util.tree_unflatten(tree, [0] * len(leaves))))
+
+
+class _CustomRes(NamedTuple):
+    """What a custom rule's forward task keeps for its VJP task: the rule's residuals and
+    a template of its output's structure (leaves 0)."""
+
+    res: Any
+    template: Any
 
 
 def _custom_vjp(spec: CallSpec, srcs: tuple[int, ...], wrt: tuple[int, ...],
@@ -269,9 +282,10 @@ def _custom_vjp(spec: CallSpec, srcs: tuple[int, ...], wrt: tuple[int, ...],
     cts = []
     for s, a in zip(ct_srcs, spec.out_avals):
         cts.append(np.zeros(a.shape, a.dtype) if s is None else _take(next(it), s))
-    ct = cts[0] if len(cts) == 1 else tuple(cts)
+    res, template = fwd.res
+    ct = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(template), cts)
     primals = _dyn_args(spec, srcs, vals[n_ct:], _device(dev))
-    got = check_cotangents(spec.layer, spec.layer.bwd_rule(fwd.res, ct), primals, spec.diff)
+    got = check_cotangents(spec.layer, spec.layer.bwd_rule(res, ct), primals, spec.diff)
     return tuple(got[i] for i in wrt)
 
 
