@@ -36,6 +36,13 @@ def staged(n_stages: int, n_layers: int) -> Any:
     return loss
 
 
+def _unstaged(params: Any, x: Any, t: Any) -> Any:
+    h = x
+    for p in params:
+        h = M.dense(p, h)
+    return M.mse(h, t)
+
+
 def mlp(width: int, batch: int, layers: int) -> tuple[Any, Any, Any]:
     params = M.init_dense(KEY, [width] * (layers + 1))
     x = jax.random.normal(jax.random.fold_in(KEY, 1), (batch, width))
@@ -71,6 +78,12 @@ def test_policy_changes_the_keys_and_bad_policies_say_so() -> None:
             dd.value_and_grad(loss, remat=bad)
         with pytest.raises(dd.ArgumentError, match=match):
             dd.Trainer(loss, optax.sgd(0.1), remat=bad)
+    # a stage the model does not have (a typo would leave the meant stage without its
+    # policy: it was accepted and ignored), and per-stage policies for an unstaged model
+    with pytest.raises(dd.ArgumentError, match=r"remat names stage\(s\) \[2\].*stages \[0, 1\]"):
+        dd.value_and_grad(loss, microbatches=2, schedule="1f1b", remat={2: "full"})(*args)
+    with pytest.raises(dd.ArgumentError, match="the model has no stages"):
+        dd.value_and_grad(_unstaged, remat={0: "full"})(*args)
 
 
 def test_trainer_with_a_policy_per_stage_equals_optax() -> None:
@@ -412,6 +425,8 @@ def test_best_schedule_chooses_recomputation_per_stage() -> None:
     # what it assumes is what predict gives for that policy, and what a step takes
     again = dd.predict("1f1b", prof, remat=pred.remat)
     assert again.memory == pred.memory and again.makespan == pytest.approx(pred.makespan)
+    with pytest.raises(dd.ArgumentError, match=r"remat names stage\(s\) \[5\]"):
+        dd.predict("1f1b", prof, remat={5: "full"})
     Options.make("t", remat=pred.remat)
     # no policy: the plain ranking refuses the limit; an impossible limit says why
     with pytest.raises(dd.ArgumentError, match="no schedule fits"):

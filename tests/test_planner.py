@@ -318,6 +318,15 @@ def test_profile_of_a_real_step(real_profile: dd.Profile) -> None:
     assert pred.makespan > 0 and list(pred.peak_live) == [2, 1]
     best = dd.best_schedule(prof, microbatches=(2, 4))
     assert {n for n, _, _ in best} == {"gpipe", "1f1b", "zb-h1"}
+    # counts the profiled batch (32 rows) does not split into are left out, saying why
+    # (best_schedule ranked m=64 first: half a row a microbatch, refused by every step)
+    assert prof.batch_rows == 32
+    best = dd.best_schedule(prof, microbatches=(4, 5, 64))
+    assert {m for _, m, _ in best} == {4}
+    with pytest.raises(dd.MicrobatchError, match="32 rows does not split into 5"):
+        dd.predict("1f1b", prof, microbatches=5)
+    with pytest.raises(dd.ArgumentError, match=r"m=64: the profiled batch of 32 rows"):
+        dd.best_schedule(prof, microbatches=(5, 64))
 
 
 def test_prediction_timeline_draws_both(real_profile: dd.Profile, client2: Any,

@@ -149,6 +149,12 @@ def test_pad_to_bucket_masks_per_row_lengths_and_refuses_what_does_not_fit() -> 
         dd.pad_to_bucket(tokens, (2, 4))
     with pytest.raises(dd.ArgumentError, match="differ in length"):
         dd.pad_to_bucket((tokens, tokens[:, :3]), 8)
+    # the same axis counted from the end gives the same (it was refused)
+    padded_neg, mask_neg = dd.pad_to_bucket(tokens, 4, axis=-1, lengths=[5, 2], value=-1)
+    np.testing.assert_array_equal(padded_neg, padded)
+    np.testing.assert_array_equal(mask_neg, mask)
+    with pytest.raises(dd.ArgumentError, match="names different axes"):
+        dd.pad_to_bucket((tokens, tokens[..., None]), 8, axis=-1)
 
 
 @pytest.mark.slow

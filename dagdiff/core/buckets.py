@@ -50,6 +50,12 @@ def pad_to_bucket(x: Any, buckets: int | Sequence[int], *, axis: int = 1, value:
     if not leaves:
         raise ArgumentError("pad_to_bucket: x has no arrays")
     shapes = [np.shape(a) for a in leaves]
+    if axis < 0:                        # counted from the end: the same axis of every array
+        ndims = sorted({len(s) for s in shapes})
+        if len(ndims) > 1 or axis < -ndims[0]:
+            raise ArgumentError(f"pad_to_bucket: axis={axis} names different axes of arrays "
+                                f"of shapes {shapes}; give it counted from the front")
+        axis += ndims[0]
     if any(len(s) <= axis for s in shapes):
         raise ArgumentError(f"pad_to_bucket: axis={axis} but the arrays have shapes "
                             f"{shapes}")

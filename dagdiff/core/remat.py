@@ -19,7 +19,7 @@ from ..errors import ArgumentError
 from .spec import CallSpec
 
 
-__all__ = ["POLICIES", "RematPolicy", "check_remat", "policy_of", "with_policy",
+__all__ = ["check_stages", "POLICIES", "RematPolicy", "check_remat", "policy_of", "with_policy",
            "without_policy", "apply_remat"]
 
 #: the policy names `remat=` takes
@@ -54,6 +54,24 @@ def check_remat(where: str, remat: Any) -> RematPolicy:
                         f"a dict {{stage: policy}}, got {type(remat).__name__} {remat!r}")
 
 
+def check_stages(where: str, remat: RematPolicy, stages: Any) -> None:
+    """Raise if ``{stage: policy}`` names a stage the model does not have (a typo would
+    otherwise leave the stage it meant without its policy)."""
+    if isinstance(remat, str) or not remat:
+        return
+    if not stages:
+        raise ArgumentError(
+            f"{where}: remat={dict(remat)} gives policies per stage, but the model has no "
+            "stages (no dd.stage block, no stages=); give one policy for every layer, e.g. "
+            "remat='full'")
+    unknown = sorted(g for g, _ in remat if g not in stages)
+    if unknown:
+        raise ArgumentError(
+            f"{where}: remat names stage(s) {unknown}, but the model has stages "
+            f"{sorted(stages)}; give a policy per existing stage, e.g. "
+            f"remat={{{min(stages)}: 'full'}}")
+
+
 def policy_of(remat: RematPolicy, stage: int | None) -> str:
     """The policy `remat` gives the calls of `stage`."""
     if isinstance(remat, str):
@@ -84,6 +102,8 @@ def apply_remat(trace: Any, remat: RematPolicy) -> None:
     """Give each layer call of `trace` its stage's policy (in place; a fresh trace)."""
     if remat == "none" or remat == ():
         return
+    check_stages("building the step", remat, {n.stage for n in trace.nodes
+                                  if n.kind == "call" and n.stage is not None})
     for i, n in enumerate(trace.nodes):
         if n.kind == "call" and n.spec is not None:
             policy = policy_of(remat, n.stage)

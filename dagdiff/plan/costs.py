@@ -9,12 +9,14 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
+
 from ..build import Build
 from ..core.auto import node_costs
 from ..core.footprint import recompute_shares, stage_footprints
 from ..core.remat import policy_of
 from ..core.tracer import Trace
-from ..errors import ArgumentError
+from ..errors import ArgumentError, MicrobatchError
 from ..inspect.record import Recording
 from .measure import (
     KINDS,
@@ -65,6 +67,7 @@ class Profile:
     step_overhead: float = 0.0
     contention: float = 0.0
     hosts: tuple[str, ...] = ()
+    batch_rows: int = 0         # the profiled batch's size along its batch axis (0: unknown)
 
     @property
     def num_stages(self) -> int:
@@ -84,6 +87,13 @@ class Profile:
         if not isinstance(microbatches, int) or isinstance(microbatches, bool) \
                 or microbatches < 1:
             raise ArgumentError(f"microbatches must be a positive int, got {microbatches!r}")
+        if self.batch_rows and self.batch_rows % microbatches:
+            fits = [m for m in range(1, min(self.batch_rows, 4 * self.microbatches) + 1)
+                    if self.batch_rows % m == 0][-4:]
+            raise MicrobatchError(
+                f"the profiled batch of {self.batch_rows} rows does not split into "
+                f"{microbatches} equal microbatches (a step would refuse it); counts that "
+                f"divide it: {fits}")
         return self.microbatches / microbatches
 
     def stage_costs(self, microbatches: int | None = None, remat: Any = "none"
@@ -268,7 +278,8 @@ class Profile:
                    bandwidth=bandwidth, layers=tuple(layers), schedules=tuple(names),
                    edges=tuple((s, d, n) for (s, d), n in sorted(ebytes.items())),
                    step_overhead=statistics.median(overheads) if overheads else 0.0,
-                   contention=c, hosts=hosts)
+                   contention=c, hosts=hosts,
+                   batch_rows=_batch_rows(model.batch.values(), build.options.batch_axis))
 
     def _rows(self) -> list[list[str]]:
         rows = []
@@ -332,3 +343,10 @@ def _summary(names: Sequence[str]) -> str:
         last, n = x, 1
     text = ", ".join(out)
     return text if len(text) < 80 else text[:77] + "..."
+
+
+def _batch_rows(values: Any, axis: int) -> int:
+    """The batch's size along `axis` (0 when its arrays disagree or there is none)."""
+    sizes = {np.shape(v)[axis] for v in values
+             if np.ndim(v) > (axis if axis >= 0 else -axis - 1)}
+    return int(sizes.pop()) if len(sizes) == 1 else 0

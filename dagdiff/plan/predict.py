@@ -10,8 +10,8 @@ from typing import Any, Iterable, Sequence
 import dask
 from dask.utils import parse_bytes
 
-from ..core.remat import POLICIES, check_remat, policy_of
-from ..errors import ArgumentError, ScheduleError
+from ..core.remat import POLICIES, check_remat, check_stages, policy_of
+from ..errors import ArgumentError, MicrobatchError, ScheduleError
 from ..extras import require
 from ..inspect.record import PHASE_COLORS, Recording
 from ..schedules import SCHEDULES, Schedule, get_schedule, simulate
@@ -150,6 +150,7 @@ def predict(schedule: str | Schedule, profile: Profile, microbatches: int | None
     p = _fit(sched, prof, workers, "dd.predict")
     sched.validate(p, m)
     policy = check_remat("dd.predict", remat)
+    check_stages("dd.predict", policy, {s.stage for s in prof.stages})
     per_stage = {s.stage: policy_of(policy, s.stage) for s in prof.stages}
     edges = prof.edge_comm(m)
     sim = simulate(sched, p, m, stage_costs=prof.stage_costs(m, policy), edge_comm=edges,
@@ -264,6 +265,9 @@ def best_schedule(profile: Profile, microbatches: int | Iterable[int] | None = N
                                remat=None if remat == "auto" else remat)
             except ScheduleError as e:
                 why.append(f"{name} m={m}: {str(e).split('; fix')[0]}")
+                continue
+            except MicrobatchError as e:
+                why.append(f"{name} m={m}: {e}")
                 continue
             if limit is not None and pred.peak_memory > limit and remat == "auto":
                 pred = _fit_memory(sched, prof, m, p, limit, pred)
