@@ -363,6 +363,32 @@ def test_a_templates_steps_are_recorded_under_their_own_keys(client2: Any) -> No
     assert len(rec.step_peaks()) == 2
 
 
+@pytest.mark.distributed
+def test_step_peaks_count_steps_computed_again_and_trainer_steps(client2: Any) -> None:
+    """One entry per recorded step: a step computed again on the same batch (same keys:
+    it was one entry for three), and Trainer steps, whose replica's actions end in the
+    step token's first 12 digits and their updates in the whole token (it was two
+    entries a step, plus the tail of the step before the block)."""
+    loss = staged(2, 4)
+    args = mlp(16, 8, 4)
+    step = dd.value_and_grad(loss, microbatches=4, schedule="1f1b")
+    step.compute(*args, client=client2)
+    with dd.record(client2) as rec:
+        for _ in range(3):
+            step.compute(*args, client=client2)
+    assert len(rec.step_peaks()) == 3
+    trainer = dd.Trainer(loss, optax.sgd(0.1), microbatches=4, schedule="1f1b",
+                         client=client2)
+    state = trainer.init(args[0])
+    state, l0 = trainer.step(state, *args[1:])
+    l0.result()
+    with dd.record(client2) as rec:
+        for i in range(3):
+            state, loss_i = trainer.step(state, args[1] + i, args[2])
+            loss_i.result()
+    assert len(rec.step_peaks()) == 3
+
+
 def test_accumulation_follows_the_schedules_backward_order() -> None:
     """looped-bfs runs a stage's backwards from the last microbatch down: its gradient
     sums chain in that order, so no microbatch's gradients wait for others."""

@@ -81,19 +81,30 @@ class Recording:
         while that step's tasks ran there (a step's tasks are told apart by the step
         token their keys end with). Steps in flight together share the samples of their
         overlap; `peak_memory` is the peak over all of them."""
-        spans: dict[str, dict[str, list[float]]] = {}
-        first: dict[str, float] = {}
+        spans: dict[tuple[str, int], dict[str, list[float]]] = {}
+        first: dict[tuple[str, int], float] = {}
+        seen: dict[str, int] = {}
+        acting: set[tuple[str, int]] = set()
         local = "local" in self.memory
-        for t in self.tasks:
+        for t in sorted(self.tasks, key=lambda t: t.start):
             if t.phase in ("transfer", "other"):
                 continue
-            token = str(t.key).rsplit("-", 1)[-1]
+            # a step's keys end with its token; a Trainer's replicas' actions with its
+            # first 12 digits and the replica's number. The same key again is the same
+            # step computed again (step.compute of one batch twice): another step
+            key = str(t.key)
+            run = seen[key] = seen.get(key, -1) + 1
+            step = (key.rsplit("-", 1)[-1][:12], run)
             w = "local" if local else t.worker
-            span = spans.setdefault(token, {}).setdefault(w, [t.start, t.stop])
+            span = spans.setdefault(step, {}).setdefault(w, [t.start, t.stop])
             span[0], span[1] = min(span[0], t.start), max(span[1], t.stop)
-            first[token] = min(first.get(token, t.start), t.start)
+            first[step] = min(first.get(step, t.start), t.start)
+            if t.phase in _BUSY:
+                acting.add(step)
         out = []
-        for token in sorted(spans, key=first.__getitem__):
+        # a step counts by its forward and backward actions: the tail of a step before
+        # the recording (its loss task ending inside it) is no step of its own
+        for token in sorted(acting, key=first.__getitem__):
             peaks = {}
             for w, (start, stop) in spans[token].items():
                 # a task's sample is taken as it has its result, just after its stop
