@@ -347,6 +347,17 @@ def test_checkpoint_round_trip_and_exact_resume(tmp_path: Any) -> None:
     resumed, _ = t3.fit(batches[3:], state=restored, progress=False)
     assert resumed.step == 6
     close(t3.params(resumed), trainer.params(full), rtol=0)
+    # a checkpoint of another model's shapes, or saved with another optimizer, says so
+    # (the first trained the checkpoint's shapes silently, the second raised a pytree error)
+    t4 = dd.Trainer(loss_fn, opt, microbatches=2, schedule="gpipe")
+    t4.init(M.init_dense(KEY, [6, 12, 4]))            # a wider hidden layer
+    with pytest.raises(dd.CheckpointError, match=r"parameter leaf \d is float32\[.*where "
+                                                 r"the model's is float32"):
+        t4.fit(batches[3:], state=dd.load(str(tmp_path / "ckpt")), progress=False)
+    t5 = dd.Trainer(loss_fn, optax.sgd(1e-2), microbatches=2, schedule="gpipe")
+    t5.init(params)
+    with pytest.raises(dd.CheckpointError, match="saved with another optimizer"):
+        t5.fit(batches[3:], state=dd.load(str(tmp_path / "ckpt")), progress=False)
 
 
 @pytest.mark.slow

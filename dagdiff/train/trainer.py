@@ -44,8 +44,8 @@ from ..cluster.info import (
 from ..cluster.targets import Targets, resolve_targets
 from ..core.forms import ModelForm, lower_args
 from ..core.tracer import home_stages
-from ..errors import (ArgumentError, LostStateError, MicrobatchError, PlacementError,
-                      TrainerError)
+from ..errors import (ArgumentError, CheckpointError, LostStateError, MicrobatchError,
+                      PlacementError, TrainerError)
 from ..extras import available, require
 from .fit import FitRun, NoBar
 from .optimizer import check_per_stage
@@ -261,14 +261,43 @@ class Trainer(StepGraph, Restoring):
             opts.append(part[len(state.groups[g])])
         return leaves, opts
 
+    def _check_leaves(self, state: TrainState) -> None:
+        """Raise a CheckpointError when a state not made by this trainer's `init` (a
+        `dd.load`ed one) holds parameters of other shapes than the model `init` was given:
+        it would train the state's shapes and drop the model's."""
+        if state.params is None or not self._template:
+            return
+        got = [(tuple(np.shape(x)), str(x.dtype)) for x in state.params]
+        want = [(tuple(np.shape(x)), str(x.dtype)) for x in self._template]
+        if got == want:
+            return
+        if len(got) != len(want):
+            what = f"{len(got)} parameter leaves where the model has {len(want)}"
+        else:
+            i = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+            what = (f"parameter leaf {i} is {got[i][1]}{list(got[i][0])} where the model's is "
+                    f"{want[i][1]}{list(want[i][0])}")
+        raise CheckpointError(
+            f"this state does not fit the model the Trainer was initialised with: {what}. "
+            "Was it saved from another model? Call trainer.init with parameters of the "
+            "checkpoint's model (or load the checkpoint that belongs to this one)")
+
     def _opt_from_leaves(self, state: TrainState, g: int) -> Any:
         assert state.groups is not None and state.params is not None
         group_params = [state.params[i] for i in state.groups[g]]
         template = self.optimizer.init(group_params)
         if state.opt_leaves is None:
             return template
-        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(template),
-                                            list(state.opt_leaves[g]))
+        want = jax.tree_util.tree_leaves(template)
+        got = list(state.opt_leaves[g])
+        if len(got) != len(want) or any(np.shape(a) != np.shape(b) for a, b in zip(got, want)):
+            raise CheckpointError(
+                f"this state's optimizer state of parameter group {g} has {len(got)} leaves of shapes {[list(np.shape(x)) for x in got][:4]}"
+                f", but this Trainer's optimizer makes {len(want)} of shapes "
+                f"{[list(np.shape(x)) for x in want][:4]}: was it saved with another "
+                "optimizer (e.g. adam, resumed with sgd)? Resume with the optimizer it was "
+                "saved with")
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(template), got)
 
     # --- tracing and placement ----------------------------------------------------------
     @staticmethod
@@ -325,6 +354,7 @@ class Trainer(StepGraph, Restoring):
             raise ArgumentError("this state's parameter groups do not match the model's stages "
                                 f"({state.groups} vs {model.groups}); was it saved from another "
                                 "model or stage layout?")
+        self._check_leaves(state)
         base = dataclasses.replace(state, groups=model.groups)
         placed: dict[tuple[int, int], Any] = {}
         values: dict[tuple[int, int], Any] = {}
