@@ -4,6 +4,7 @@ measured peaks on a cluster against the prediction, the planner choosing policie
 a limit, and a step refused before it runs out of memory."""
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import jax
@@ -508,6 +509,54 @@ def test_a_step_over_the_workers_memory_limit_is_refused_at_build() -> None:
     finally:
         client.close()
         cluster.close()
+
+
+@pytest.mark.distributed
+def test_the_limit_check_counts_the_workers_own_memory_where_dask_enforces_it(
+        client2: Any, monkeypatch: Any) -> None:
+    """With Dask's defaults a worker pauses at 80% of its memory_limit and is restarted
+    at 95%: a step whose own bytes fit the limit but not beside what the process already
+    holds (the JAX runtime: ~200 MiB here) is refused at build (the nanny killed it)."""
+    import dask
+
+    from dagdiff.cluster import info as cluster_info
+    from dagdiff.lowering import memory as lowering_memory
+    from dagdiff.runtime.plugins import MEMORY_METRIC
+
+    loss = staged(2, 4)
+    args = mlp(256, 2048, 4)          # GPipe, 8 microbatches: ~13 MiB on worker 0
+    step = dd.value_and_grad(loss, microbatches=8, schedule="gpipe")
+    with client2.as_current():
+        step(*args)                           # dagdiff's worker plugin is installed
+    mib = 2 ** 20
+    # what the workers tell in their heartbeats: Dask's defaults (pause, restart)
+    deadline = time.monotonic() + 30
+    while True:
+        real = cluster_info.workers_info(client2)
+        told = {a: (w.get("metrics") or {}).get(MEMORY_METRIC) for a, w in real.items()}
+        if all(told.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert told and all(list(t) == [0.8, 0.95] for t in told.values()), told
+    enforced = [0.8, 0.95]
+
+    def info(client: Any, cached: bool = False) -> dict[str, Any]:
+        return {a: {**w, "memory_limit": 64 * mib,
+                    "metrics": {**w.get("metrics", {}), "memory": 45 * mib + 8 * mib,
+                                "managed_bytes": 8 * mib, MEMORY_METRIC: enforced}}
+                for a, w in real.items()}
+
+    monkeypatch.setattr(lowering_memory, "workers_info", info)
+    # each step lowered (the check runs when a step is lowered, not when a template binds)
+    monkeypatch.setitem(dask.config.config.setdefault("dagdiff", {}), "step-templates", False)
+    with client2.as_current():
+        with pytest.raises(dd.MemoryLimitError,
+                           match=r"leaves beside the 45.00 MiB.*pauses it at 80%"):
+            step(*args)                       # 45 + 13 MiB > 80% of 64 MiB
+        enforced[:] = [0.0, 0.95]             # no pause: restarted at 95%
+        step(*args)                           # 45 + 13 MiB < 95% of 64 MiB
+        enforced[:] = [0.0, 0.0]              # not enforced: 13 MiB < 64 MiB
+        step(*args)
 
 
 def test_a_new_placement_moves_resident_parameters_without_a_stale_copy(client2: Any

@@ -32,7 +32,9 @@ from .tasks import pullback_of
 from .worker_jax import configure_worker_jax
 
 
-__all__ = ["ColocateVJP", "ensure_colocation", "MEMBERSHIP_TOPIC", "is_registered"]
+__all__ = ["ColocateVJP", "ensure_colocation", "MEMBERSHIP_TOPIC", "is_registered",
+           "MEMORY_METRIC", "memory_enforced",
+           "memory_enforced_here"]
 
 #: the scheduler event topic on which `ColocateVJP` announces every worker that joins or
 #: leaves (clients keep their list of workers until it changes: `cluster.info`)
@@ -162,6 +164,27 @@ class ColocateVJP(SchedulerPlugin):
             set_task_spec(self.scheduler.tasks[key], stamped)
 
 
+#: the worker metric (heartbeats, the scheduler's identity) holding `memory_enforced`
+MEMORY_METRIC = "dagdiff_memory_enforced"
+
+
+def memory_enforced(worker: Any) -> list[float]:
+    """[pause, terminate]: the shares of its memory_limit at which this worker pauses
+    and at which its nanny restarts it (0: never; no nanny, no restart)."""
+    manager = getattr(worker, "memory_manager", None)
+    pause = getattr(manager, "memory_pause_fraction", None)
+    if pause is None:
+        pause = dask.config.get("distributed.worker.memory.pause", False)
+    terminate = (dask.config.get("distributed.worker.memory.terminate", False)
+                 if getattr(worker, "nanny", None) else False)
+    return [float(pause or 0.0), float(terminate or 0.0)]
+
+
+def memory_enforced_here(dask_worker: Any) -> list[float]:
+    """`memory_enforced` of the worker it runs on (for ``client.run``)."""
+    return memory_enforced(dask_worker)
+
+
 class LoadDagdiff(WorkerPlugin):
     """Import dagdiff on every worker (present and future) so that its serializers for
     jax arrays are registered before any data arrives, and install the worker's
@@ -181,6 +204,9 @@ class LoadDagdiff(WorkerPlugin):
         # worker->scheduler: 2 ms by default
         shorten_interval(worker_stream(worker), _latency())
         bound_message_log(worker_stream(worker))
+        # where this worker's memory limit is enforced, in its heartbeat's metrics: the
+        # build's memory check reads it (`lowering.memory`)
+        worker.metrics.setdefault(MEMORY_METRIC, memory_enforced)
 
     def _cut(self, key: str) -> None:
         try:
