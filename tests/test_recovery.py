@@ -745,11 +745,14 @@ def test_a_worker_lost_while_fit_copies_its_final_state(cluster_client: Any) -> 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("cluster_client", [2], indirect=True)
-def test_params_of_a_state_lost_with_its_copies_makes_it_again(cluster_client: Any) -> None:
+@pytest.mark.parametrize("then", ["params", "step", "fit"])
+def test_params_of_a_state_lost_with_its_copies_makes_it_again(cluster_client: Any,
+                                                               then: str) -> None:
     """A step loop's newest state and its copies lost together (the worker killed before
     the copies landed; here they are cancelled so it always happens): `trainer.params`
     makes the state again through its lineage, as `recover` does, instead of raising
-    `LostStateError`, and equals plain JAX + optax."""
+    `LostStateError`, and equals plain JAX + optax; so do a next `step` and `fit` from it
+    (they raised `LostStateError`, also after a Ctrl-C in `fit` and a worker lost)."""
     client = cluster_client
     opt = optax.sgd(0.05)
     params, batches = make_data(3)
@@ -766,6 +769,15 @@ def test_params_of_a_state_lost_with_its_copies_makes_it_again(cluster_client: A
     deadline = time.time() + 60
     while victim in client.scheduler_info()["workers"] and time.time() < deadline:
         time.sleep(0.05)
+    if then == "step":
+        more = make_data(4)[1][3:]
+        state, loss = trainer.step(state, *more[0])
+        loss.result()
+        batches = [*batches, *more]
+    elif then == "fit":
+        more = make_data(5)[1][3:]
+        state, _ = trainer.fit(more, state=state, progress=False)
+        batches = [*batches, *more]
     p, _ = M.optax_reference(loss_fn, opt, params, batches)
     close(trainer.params(state), p, rtol=2e-4, atol=2e-5)
     assert trainer.recoveries

@@ -112,8 +112,16 @@ class StepGraph:
             state = self._place(state, model)
         elif self.client is not None:
             t0 = time.monotonic()
-            state, done = self._restored(state, model)
-            if done:
+            try:
+                state, done = self._restored(state, model)
+            except LostStateError:
+                lineage = state.lineage
+                if lineage is None or not lineage.batches:
+                    raise
+                # no replica or copy holds what was lost, but the steps that made this
+                # state are known: made again from the newest state that survives (a
+                # step loop's or an interrupted fit's latest state, a worker lost since)
+                state, done = self.recover(state), ()
                 self.recoveries.append(Recovery(
                     state.step, tuple(sorted({(state.where or {}).get((r, g), "?")
                                               for r, g, _ in done})),
