@@ -11,6 +11,7 @@ import dask
 from .build import Options, build
 from .cluster.info import current_client, forget_workers, lost_workers, may_be_a_lost_worker
 from .inspect.graph import TracedGraph
+from .errors import DirectDispatchError
 
 
 __all__ = ["value_and_grad", "grad", "trace"]
@@ -93,11 +94,21 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
             try:
                 return built.values(client)
             except Exception as error:                 # noqa: BLE001 - classified below
-                gone = (lost_workers(client, built.targets.worker_addresses(),
-                                     wait=10.0 if may_be_a_lost_worker(error) else 0.0)
-                        if attempt < retries else ())
+                gone = lost_workers(client, built.targets.worker_addresses(),
+                                    wait=10.0 if may_be_a_lost_worker(error) else 0.0)
                 if not gone:
                     raise
+                if attempt == retries:
+                    # Dask says only that a value was "cancelled ... already forgotten"
+                    # (the lost worker's resident parameters went with it): say what
+                    raise DirectDispatchError(
+                        f"{getattr(fn, '__name__', 'the step')}: worker(s) "
+                        f"{', '.join(gone)} were lost while the step ran "
+                        f"({type(error).__name__}: {error})"
+                        + (f", after {retries} retries" if retries else "")
+                        + "; compute it again (step.compute(..., retries=n) builds it for the "
+                        "live workers), or find why workers are lost (memory, a crash: the "
+                        "workers' logs)") from error
                 log.warning("dagdiff: %s lost worker(s) %s (%s); building and running it "
                             "again", getattr(fn, "__name__", "the step"), ", ".join(gone),
                             type(error).__name__)

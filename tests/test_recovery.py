@@ -353,6 +353,14 @@ def test_a_plain_step_computed_with_retries_survives_a_lost_worker(cluster_clien
     want_l, want_g = jax.value_and_grad(fn)(params, x)
     np.testing.assert_allclose(got_l, want_l, rtol=1e-5)
     close(got_g, want_g)
+    # retries=0: the error names the lost worker (it was Dask's "FutureCancelledError ...
+    # already forgotten": the lost worker held the step's resident parameters)
+    client.wait_for_workers(2, timeout=120)
+    step.compute(params, x, client=client)             # the new worker holds its stage
+    with Killer(client, 2, 1, seed=5, delay=(0.0, 0.05)) as killer:
+        with pytest.raises(dd.DirectDispatchError, match=r"worker\(s\) tcp://.* were lost "
+                                                         r"while the step ran"):
+            step.compute(params, x, client=client, retries=0)
 
 
 def _kill_mid_step(client: Any, rng: random.Random) -> None:
