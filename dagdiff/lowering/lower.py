@@ -19,7 +19,7 @@ from dask.base import tokenize
 from ..core.backward import SEED, BackwardPlan, Source, Sum, Vjp
 from ..core.keys import make_key
 from ..core.tracer import Node, Trace, Traced
-from ..runtime.tasks import fwd_task, select_task, sum_task, vjp_task
+from ..runtime.tasks import fwd_task, select_task, snapshot, sum_task, vjp_task
 from ..runtime.taskspec import DataNode, Task, TaskRef
 
 
@@ -162,7 +162,7 @@ def lower(
             else:
                 key = make_key(node.kind, node.path or "x", node.index, token)
                 if key not in low.dsk:
-                    low.add(key, DataNode(key, node.value), None)
+                    low.add(key, DataNode(key, snapshot(node.value)), None)
                     low.data_keys[node.index] = key
                 refs[node.index] = (TaskRef(key), -1)
             continue

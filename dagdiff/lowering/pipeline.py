@@ -15,7 +15,7 @@ from ..core.dag import topological
 from ..core.keys import make_key
 from ..core.tracer import Trace, Traced
 from ..errors import CycleError, PlacementError, ScheduleError
-from ..runtime.tasks import (acc_task, host_view, mean_task, select_task, slice_task,
+from ..runtime.tasks import (acc_task, mean_task, select_task, slice_task, snapshot,
                              sum_task)
 from ..runtime.taskspec import DataNode, Task, TaskRef
 from ..schedules import Schedule
@@ -66,7 +66,7 @@ def lower_pipeline(trace: Trace, plan: BackwardPlan, token: str, *, microbatches
             full_ref: Any = TaskRef(ref) if isinstance(ref, str) else ref
         else:
             full = make_key("input", node.path or "x", idx, token)
-            dsk[full] = DataNode(full, host_view(value))
+            dsk[full] = DataNode(full, snapshot(value))
             stage_of[full] = home.get(idx)
             full_ref, src = TaskRef(full), -1
         splits[idx] = []

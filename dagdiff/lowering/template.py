@@ -32,7 +32,7 @@ from dask.highlevelgraph import HighLevelGraph
 
 from ..core.tracer import Trace
 from ..runtime.direct import DirectGraph, Program, RunNonce, new_nonce, next_base, run_program
-from ..runtime.tasks import host_view
+from ..runtime.tasks import snapshot
 from ..runtime.taskspec import DataNode, Task, TaskRef
 from .graph import OutKey, direct_layer
 from .lower import trace_token
@@ -168,11 +168,11 @@ class StepTemplate:
         for k, t in self.dsk.items():
             k1 = subs[k]
             if isinstance(t, _Slot):
-                dsk[k1] = DataNode(k1, host_view(values[t.slot]))
+                dsk[k1] = DataNode(k1, snapshot(values[t.slot]))
             elif isinstance(t, Task) and t.func is run_program:
                 prog: Program = t.args[0]
                 prog = dataclasses.replace(prog, key=k1, step=new, origin=prog.origin or old)
-                args = [host_view(values[a.slot]) if isinstance(a, _Slot)
+                args = [snapshot(values[a.slot]) if isinstance(a, _Slot)
                         else (held[a.key] if isinstance(a, TaskRef) and a.key in held else
                               TaskRef(subs.get(a.key, a.key)) if isinstance(a, TaskRef) else a)
                         for a in t.args[2:]]

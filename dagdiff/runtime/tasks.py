@@ -15,7 +15,8 @@ from .taskspec import Task, TaskRef
 
 
 __all__ = ["FwdResult", "fwd_task", "vjp_task", "sum_task", "slice_task", "mean_task",
-           "acc_task", "select_task", "leaves_read", "host_view", "pullback_of"]
+           "acc_task", "select_task", "leaves_read", "host_view", "snapshot", "snapshot_batch",
+           "pullback_of"]
 
 
 class FwdResult:
@@ -54,6 +55,25 @@ class FwdResult:
         state = "moved" if self.moved else ("pullback" if self.pullback is not None else
                                             "gradients" if self.grads is not None else "primal")
         return f"FwdResult({len(self.out)} outputs, {state})"
+
+
+def snapshot(x: Any) -> Any:
+    """What a graph embeds of an input value (`host_view`), with a writeable NumPy array
+    copied: the graph reaches the workers after the call returns, and a data loader that
+    fills one buffer in place for every batch would otherwise train on a later batch's
+    rows (as `jax.device_put` does, the value is the one at the call)."""
+    v = host_view(x)
+    if isinstance(v, np.ndarray) and v.flags.writeable:
+        return v.copy()
+    return v
+
+
+def snapshot_batch(batch: Sequence[Any]) -> tuple[Any, ...]:
+    """A batch's arguments with every writeable NumPy array in them copied (`snapshot`):
+    what a step and its lineage (the steps recovery runs again) keep of it."""
+    return tuple(jax.tree_util.tree_map(
+        lambda x: x.copy() if isinstance(x, np.ndarray) and x.flags.writeable else x, b)
+        for b in batch)
 
 
 def _arrived(out: list[Any], res: Any = None) -> FwdResult:

@@ -21,6 +21,7 @@ from ..cluster.info import (
 )
 from ..errors import (ArgumentError, LayerShapeError, LostStateError, MicrobatchError,
                       PlacementError, TracerError, TrainerError, WorkerLostError)
+from ..runtime.tasks import snapshot_batch
 from .recovery import Recovery, WindowLoss
 from .state import TrainState
 from .window import can_share, submit_window
@@ -195,7 +196,9 @@ class FitRun:
                     if self.auto is not None:
                         self.auto.start(tr._windows, tr._batch_key(batch), batch)
                         self.window = self.auto.size
-                group.append(tuple(batch))
+                # a loader may refill one NumPy buffer for every batch: the steps, and
+                # their lineage, keep the batch as it is now
+                group.append(snapshot_batch(batch))
                 if len(group) == self.window:
                     self.submit(group)
                     group = []

@@ -47,6 +47,7 @@ from ..core.tracer import home_stages
 from ..errors import (ArgumentError, CheckpointError, LostStateError, MicrobatchError,
                       PlacementError, TrainerError)
 from ..extras import available, require
+from ..runtime.tasks import snapshot_batch
 from .fit import FitRun, NoBar
 from .optimizer import check_per_stage
 from .recovery import Placement, Recovery, StepLoss
@@ -437,6 +438,7 @@ class Trainer(StepGraph, Restoring):
     def step(self, state: TrainState, *batch: Any) -> tuple[TrainState, Any]:
         """Submit one training step; returns (new state, loss) without waiting (loss is a
         Future on a cluster; a concrete scalar on the local scheduler)."""
+        batch = snapshot_batch(batch)   # a loader may refill its NumPy buffer meanwhile
         pre = self._prepare(state, batch)
         freeze_heap(self.client)
         box = None
