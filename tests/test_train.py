@@ -394,6 +394,27 @@ def test_checkpoint_round_trip_and_exact_resume(tmp_path: Any) -> None:
         t5.fit(batches[3:], state=dd.load(str(tmp_path / "ckpt")), progress=False)
 
 
+def test_a_state_of_an_earlier_init_of_another_model_says_so() -> None:
+    """A notebook cell re-run with a changed model: `init` again, then the first init's
+    state stepped or read raises a CheckpointError (an IndexError or a shape error of the
+    new model's parameters before); the new state trains as optax does."""
+    params, batches = setup(2)
+    wide = M.init_dense(KEY, [6, 12, 4])
+    opt = optax.sgd(0.1)
+    trainer = dd.Trainer(loss_fn, opt, microbatches=2, schedule="1f1b")
+    old = trainer.init(params)
+    old, _ = trainer.step(old, *batches[0])
+    new = trainer.init(wide)
+    for use in (lambda: trainer.step(old, *batches[1]), lambda: trainer.params(old),
+                lambda: trainer.fit(batches, state=old, progress=False)):
+        with pytest.raises(dd.CheckpointError, match="made for another model"):
+            use()
+    new, loss = trainer.step(new, *batches[1])
+    want, want_losses = reference(wide, batches[1:], opt)
+    np.testing.assert_allclose(float(loss), want_losses[0], rtol=1e-5)
+    close(trainer.params(new), want)
+
+
 @pytest.mark.slow
 def test_multimodal_grads_equal_jax_grad() -> None:
     import dask

@@ -53,6 +53,9 @@ class TrainState:
     #: window's next program reads in place, which no client holds (nothing to restore
     #: from or copy; only the window's last state is a usual one)
     in_window: bool = dataclasses.field(default=False, repr=False, compare=False)
+    #: the parameters' structure and shapes of the model the state was made for (its
+    #: trainer's `init`; None for a loaded checkpoint until it is placed)
+    signature: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def trainer(self) -> "Trainer | None":

@@ -28,7 +28,7 @@ from ..build import (
 from ..cluster.info import check_open
 from ..cluster.targets import Targets
 from ..core.keys import make_key
-from ..errors import ArgumentError, LostStateError, TrainerError
+from ..errors import ArgumentError, CheckpointError, LostStateError, TrainerError
 from ..runtime.tasks import mean_task
 from ..runtime.taskspec import DataNode, Task, TaskRef
 from .allreduce import tree_allreduce
@@ -107,6 +107,15 @@ class StepGraph:
                 "(dd.save before closing the client, then trainer.init(params) and "
                 "trainer.fit(batches, state=dd.load(path))) or from parameters gathered "
                 "before (trainer.params(state), then trainer.init)")
+        if state.signature is not None and state.signature != self._signature:
+            raise CheckpointError(
+                f"this state (step {state.step}) was made for another model than the one "
+                "this Trainer was last initialised with (other parameter leaves or shapes: "
+                "trainer.init was called again, e.g. a re-run cell with a changed model). "
+                "Go on from it with trainer.init(that model's parameters) first, or train "
+                "the new model from the state trainer.init gave for it")
+        if state.params is not None:
+            self._check_leaves(state)             # a loaded checkpoint: before tracing
         model = self._model(batch)
         if not state.is_placed:
             state = self._place(state, model)
@@ -163,7 +172,7 @@ class StepGraph:
         self._last = TrainState(pre.state.step + 1, groups=pre.model.groups, placed=placed,
                                 owner=self._ref, backup=backup, where=dict(pre.where),
                                 lineage=lineage if self.client is not None else None,
-                                loss=loss)
+                                loss=loss, signature=pre.state.signature)
         return self._last
 
     def _chained(self, state: TrainState) -> tuple[tuple[str, str], ...]:

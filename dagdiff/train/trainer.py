@@ -203,7 +203,7 @@ class Trainer(StepGraph, Restoring):
             self._signature = signature
         self._template = list(leaves)
         self._state_bytes = None
-        state = TrainState(0, params=tuple(leaves), owner=self._ref)
+        state = TrainState(0, params=tuple(leaves), owner=self._ref, signature=signature)
         if example_batch:
             state = self._place(state, self._model(example_batch))
         self._last = state
@@ -225,6 +225,11 @@ class Trainer(StepGraph, Restoring):
         """(parameter leaves, optimizer state per group) of `state`, concrete; a value
         lost with its worker (scaled away or killed after `fit`) comes from its copy, or
         is made again as `recover` makes it."""
+        if state.signature is not None and state.signature != self._signature:
+            raise CheckpointError(
+                f"this state (step {state.step}) was made for another model than the one "
+                "this Trainer was last initialised with (trainer.init was called again); "
+                "call trainer.init with that model's parameters to read it")
         if not state.is_placed:
             if state.groups is None or state.opt_leaves is None:
                 return list(state.params or ()), []
@@ -373,7 +378,8 @@ class Trainer(StepGraph, Restoring):
                 if addr is not None:
                     where[(r, g)] = addr
         return TrainState(state.step, groups=model.groups, placed=placed, owner=self._ref,
-                          backup=values if self.recovering else None, where=where)
+                          backup=values if self.recovering else None, where=where,
+                          signature=self._signature)
 
     def _scatter(self, value: Any, addr: str | None) -> Any:
         return self.client.scatter(   # a list: one Future for the whole tuple

@@ -93,7 +93,8 @@ def _inside(tr: "Trainer", pre: "Prepared", loss: Any = None) -> TrainState:
     return TrainState(pre.state.step + 1, groups=pre.model.groups, owner=tr._ref,
                       placed={rg: TaskRef(str(k)) for rg, k in zip(pre.order,
                                                                    pre.out_keys[1:])},
-                      where=dict(pre.where), loss=loss, in_window=True)
+                      where=dict(pre.where), loss=loss, in_window=True,
+                      signature=pre.state.signature)
 
 
 def _lineages(tr: "Trainer", start: TrainState, batches: Sequence[Sequence[Any]]
