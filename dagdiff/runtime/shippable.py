@@ -52,8 +52,9 @@ def _unshippable(spec: Any, node: Any, what: str, e: BaseException) -> LayerType
         f"({type(e).__name__}: {str(e)[:300]}), so no worker could run it: distributed "
         "drops a worker whose task does not deserialize. Its function, or something it "
         "uses (a jax.custom_vjp / custom_jvp function, an object with its own __reduce__), "
-        "travels by value from here; define what does not round-trip in a module the "
-        "workers import (then it travels by reference), write the rule with "
+        "travels by value from here, and such an object does not round-trip (defined in a "
+        "module the workers import, too: a jax.custom_vjp pickles by value). Make it inside "
+        "the layer's function (it is then built where the layer runs), write the rule as "
         "dd.custom_layer(fwd, bwd), or compute on local threads (no distributed client).")
 
 
