@@ -77,14 +77,7 @@ class _ByCallback:
             _, res = fwd_result(self.fwd(*a, **k), self.name)
             ct = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shapes),
                                               list(ct_leaves))
-            cts = self.bwd(res, ct)
-            if not isinstance(cts, (tuple, list)):
-                cts = (cts,)
-            if len(cts) != len(dyn):
-                raise CustomRuleError(
-                    f"custom layer {self.name!r}: bwd returned {len(cts)} cotangents for "
-                    f"{len(dyn)} array arguments; return one per array argument (None for "
-                    "non-differentiable ones)")
+            cts = _one_per_argument(self.name, self.bwd(res, ct), len(dyn))
             return tuple(_as_shapes(c, s, self.name, "bwd")
                          for c, s, f in zip(cts, avals, inexact) if f)
 
@@ -214,13 +207,7 @@ def check_cotangents(layer: CustomLayer, cts: Any, primals: list[Any],
                      diff: tuple[bool, ...]) -> list[Any]:
     """Validate a bwd rule's result against the dynamic (array) arguments; return the
     cotangents of the differentiated ones, in order."""
-    if not isinstance(cts, (tuple, list)):
-        cts = (cts,)
-    if len(cts) != len(primals):
-        raise CustomRuleError(
-            f"custom layer {layer.name!r}: bwd returned {len(cts)} cotangents for "
-            f"{len(primals)} array arguments; return one per array argument (None for "
-            "non-differentiable ones)")
+    cts = _one_per_argument(layer.name, cts, len(primals))
     out = []
     for i, (ct, x, d) in enumerate(zip(cts, primals, diff)):
         if not d:
@@ -235,6 +222,17 @@ def check_cotangents(layer: CustomLayer, cts: Any, primals: list[Any],
                 "dtype")
         out.append(ct)
     return out
+
+
+def _one_per_argument(name: str, cts: Any, n: int) -> tuple[Any, ...] | list[Any]:
+    """A bwd rule's result as one cotangent per array argument, or a CustomRuleError."""
+    if not isinstance(cts, (tuple, list)):
+        cts = (cts,)
+    if len(cts) != n:
+        raise CustomRuleError(
+            f"custom layer {name!r}: bwd returned {len(cts)} cotangents for {n} array "
+            "arguments; return one per array argument (None for non-differentiable ones)")
+    return cts
 
 
 def _fmt(x: Any) -> str:
