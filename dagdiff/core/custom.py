@@ -197,7 +197,8 @@ def custom_layer(fwd: Callable[..., Any], bwd: Callable[..., Any], name: str | N
     used for shapes at trace time and wherever JAX traces the layer (`jax.jit`,
     `jax.grad`, another `dd.layer` calling it); without it, shapes come from running
     `fwd` on zeros, and where JAX traces the layer the rules run on the host through
-    `jax.pure_callback` (the backward runs `fwd` again for its residuals). Array arguments reach the rules as JAX arrays (convert with `np.asarray`,
+    `jax.pure_callback` (the backward runs `fwd` again for its residuals). Array
+    arguments reach the rules as JAX arrays (convert with `np.asarray`,
     or `cupy.from_dlpack` on a GPU); non-array arguments are static.
     """
     return CustomLayer(fwd, bwd, name=name, jax_fn=jax_fn, stage=stage)

@@ -105,8 +105,9 @@ def check_memory(trace: Trace, schedule: Schedule, m: int, remat: RematPolicy,
             raise MemoryLimitError(
                 f"the step needs about {format_bytes(peak.bytes)} on worker {addr} (schedule "
                 f"{schedule.name}, m={m}, stages {', '.join(map(str, stages))}: {what}; "
-                f"{peak.live} microbatches live at {peak.at}), {room}; fix: remat='selective' or 'full' for stage "
-                f"{stages[0]} (remat={{{stages[0]}: 'full'}}), more microbatches, a schedule "
+                f"{peak.live} microbatches live at {peak.at}), {room}; fix: remat='selective' "
+                f"or 'full' for stage {stages[0]} (remat={{{stages[0]}: 'full'}}), more "
+                "microbatches, a schedule "
                 "that keeps fewer alive (1f1b), or dd.best_schedule(profile, memory_limit=...)")
     return peaks
 

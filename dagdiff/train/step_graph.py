@@ -130,7 +130,8 @@ class StepGraph:
                 # no replica or copy holds what was lost, but the steps that made this
                 # state are known: made again from the newest state that survives (a
                 # step loop's or an interrupted fit's latest state, a worker lost since)
-                state, done = self.recover(state), ()
+                state, done = self.recover(state), ()   # recover notes its Recovery
+            if done:
                 self.recoveries.append(Recovery(
                     state.step, tuple(sorted({(state.where or {}).get((r, g), "?")
                                               for r, g, _ in done})),

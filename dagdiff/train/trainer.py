@@ -298,7 +298,8 @@ class Trainer(StepGraph, Restoring):
         got = list(state.opt_leaves[g])
         if len(got) != len(want) or any(np.shape(a) != np.shape(b) for a, b in zip(got, want)):
             raise CheckpointError(
-                f"this state's optimizer state of parameter group {g} has {len(got)} leaves of shapes {[list(np.shape(x)) for x in got][:4]}"
+                f"this state's optimizer state of parameter group {g} has {len(got)} leaves "
+                f"of shapes {[list(np.shape(x)) for x in got][:4]}"
                 f", but this Trainer's optimizer makes {len(want)} of shapes "
                 f"{[list(np.shape(x)) for x in want][:4]}: was it saved with another "
                 "optimizer (e.g. adam, resumed with sgd)? Resume with the optimizer it was "
