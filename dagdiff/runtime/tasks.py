@@ -63,17 +63,23 @@ def snapshot(x: Any) -> Any:
     fills one buffer in place for every batch would otherwise train on a later batch's
     rows (as `jax.device_put` does, the value is the one at the call)."""
     v = host_view(x)
-    if isinstance(v, np.ndarray) and v.flags.writeable:
-        return v.copy()
-    return v
+    return _frozen_copy(v) if isinstance(v, np.ndarray) and v.flags.writeable else v
+
+
+def _frozen_copy(x: np.ndarray) -> np.ndarray:
+    """A read-only copy: a later `snapshot` of it (the step `fit` or `Trainer.step` took
+    it for, then its graph) copies no more."""
+    out = x.copy()
+    out.flags.writeable = False
+    return out
 
 
 def snapshot_batch(batch: Sequence[Any]) -> tuple[Any, ...]:
     """A batch's arguments with every writeable NumPy array in them copied (`snapshot`):
     what a step and its lineage (the steps recovery runs again) keep of it."""
     return tuple(jax.tree_util.tree_map(
-        lambda x: x.copy() if isinstance(x, np.ndarray) and x.flags.writeable else x, b)
-        for b in batch)
+        lambda x: _frozen_copy(x) if isinstance(x, np.ndarray) and x.flags.writeable else x,
+        b) for b in batch)
 
 
 def _arrived(out: list[Any], res: Any = None) -> FwdResult:
