@@ -777,15 +777,17 @@ def test_a_worker_lost_while_fit_copies_its_final_state(cluster_client: Any) -> 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("cluster_client", [2], indirect=True)
-@pytest.mark.parametrize("then", ["params", "step"])
+@pytest.mark.parametrize("then", ["params", "step", "fit", "fit at once"])
 def test_params_of_a_state_lost_with_its_copies_makes_it_again(cluster_client: Any,
                                                                then: str) -> None:
     """A step loop's newest state and its copies lost together (the worker killed before
     the copies landed; here they are cancelled so it always happens): `trainer.params`
     makes the state again through its lineage, as `recover` does, instead of raising
     `LostStateError`, and equals plain JAX + optax; so does a next `step` from it, in the
-    README's loop (it raised `LostStateError`, also after a Ctrl-C in `fit` and a worker
-    lost)."""
+    README's loop, and a `fit` from it (they raised `LostStateError`, also after a Ctrl-C
+    in `fit` and a worker lost; `fit`'s did when its first step was built for the lost
+    worker: its recovery had no copy of `state` to go back to, and now goes back through
+    `state`'s lineage)."""
     client = cluster_client
     opt = optax.sgd(0.05)
     params, batches = make_data(3)
@@ -802,11 +804,17 @@ def test_params_of_a_state_lost_with_its_copies_makes_it_again(cluster_client: A
     deadline = time.time() + 60
     # the scheduler's own list (the client's cached scheduler_info() can list no workers
     # for a moment): a step built before the scheduler removed the victim would run there
-    while victim in dd.cluster.info.workers_info(client) and time.time() < deadline:
+    while (then != "fit at once" and victim in dd.cluster.info.workers_info(client)
+           and time.time() < deadline):
         time.sleep(0.05)
     if then == "step":
         more = make_data(4)[1][3:]
         state = _step_as_the_readme_loops(trainer, state, more[0])
+        batches = [*batches, *more]
+    elif then.startswith("fit"):              # "at once": before the scheduler saw the kill
+        more = make_data(5)[1][3:]
+        state, losses = trainer.fit(more, state=state, progress=False)
+        assert len(losses) == 2
         batches = [*batches, *more]
     p, _ = M.optax_reference(loss_fn, opt, params, batches)
     close(trainer.params(state), p, rtol=2e-4, atol=2e-5)

@@ -388,14 +388,21 @@ class Restoring:
                      ) -> tuple[TrainState, list[tuple[Any, ...]],
                                 tuple[tuple[int, int, str], ...]]:
         """The newest state that can be restored: the failed step's input, else the
-        newest finished state with copies (every `copy_every` steps) or `base`, and the
-        batches of the finished steps after it, to run again."""
+        newest finished state with copies (every `copy_every` steps) or `base`, else a
+        state `base` was made from (its lineage), and the batches of the steps after it,
+        to run again."""
         candidates: list[tuple[TrainState, list[tuple[Any, ...]]]] = [(entry.before, [])]
         for j in range(len(history) - 1, -1, -1):
             kept = history[j][1]
             if kept is not None:
                 candidates.append((kept, [b for b, _ in history[j + 1:]]))
-        candidates.append((base, [b for b, _ in history]))
+        since_base = [b for b, _ in history]
+        candidates.append((base, since_base))
+        # `base` lost with its copies (fit started from a step loop's newest state, a
+        # worker lost since): the states it can be made from, through its own steps
+        if base.lineage is not None:
+            candidates += [(way.start, [*way.batches, *since_base])
+                           for way in base.lineage.ways()]
         first: Exception | None = None
         for start, replay in candidates:
             if not start.is_placed:               # the first step: it is placed again
