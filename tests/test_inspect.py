@@ -388,3 +388,22 @@ def test_a_recording_shows_itself_in_jupyter(monkeypatch: Any) -> None:
     monkeypatch.setattr(record_mod, "available", lambda m: False)
     assert set(rec._repr_mimebundle_()) == {"text/plain"}
     assert set(record_mod.Recording()._repr_mimebundle_()) == {"text/plain"}   # empty
+
+
+def test_bubble_fraction_takes_the_names_rec_workers_gives() -> None:
+    """`rec.workers` lists addresses; `bubble_fraction().per_worker` is keyed by slot
+    names (as the pictures are): a loop over the one indexing the other worked for
+    neither (KeyError); both names now give the same share, by hand: worker a busy 1 of
+    the 4 s window, worker b 4 of 4."""
+    from dagdiff.inspect.record import Recording, TaskRecord
+
+    rec = Recording()
+    rec.tasks = [TaskRecord("fwd-a", "tcp://a:1", 0.0, 1.0, "F", "l", 0, 0),
+                 TaskRecord("fwd-b", "tcp://b:2", 0.0, 4.0, "F", "l", 1, 0)]
+    rec.worker_names = {"tcp://a:1": "slot0", "tcp://b:2": "slot1"}
+    per = rec.bubble_fraction().per_worker
+    assert sorted(per) == ["slot0", "slot1"]
+    assert [per[w] for w in rec.workers] == [0.75, 0.0]
+    assert per["slot0"] == 0.75 and "tcp://a:1" in per and "tcp://c:3" not in per
+    with pytest.raises(KeyError):
+        per["tcp://c:3"]

@@ -16,7 +16,8 @@ from ..extras import available, require
 from ..runtime.memory import MemorySample
 
 
-__all__ = ["TaskRecord", "Recording", "BubbleFraction", "PHASE_COLORS", "classify"]
+__all__ = ["TaskRecord", "Recording", "BubbleFraction", "ByWorker", "PHASE_COLORS",
+           "classify"]
 
 #: colour per phase, shared by the timeline and the graph picture
 PHASE_COLORS = {
@@ -43,8 +44,28 @@ class TaskRecord(NamedTuple):
     microbatch: int | None
 
 
+class ByWorker(dict):  # type: ignore[type-arg]
+    """A dict keyed by the workers' display names (their slots, ``slot0``), which also
+    takes the names `Recording.workers` gives (addresses, threads)."""
+
+    def __init__(self, items: Any, names: dict[str, str]) -> None:
+        super().__init__(items)
+        self._names = names
+
+    def __missing__(self, key: str) -> Any:
+        name = self._names.get(key)
+        if name is None or name == key or not super().__contains__(name):
+            raise KeyError(key)
+        return self[name]
+
+    def __contains__(self, key: object) -> bool:
+        return super().__contains__(key) or (
+            isinstance(key, str) and super().__contains__(self._names.get(key, key)))
+
+
 class BubbleFraction(NamedTuple):
-    """Idle share of the recorded window: overall and per worker (0 = always busy)."""
+    """Idle share of the recorded window: overall and per worker (0 = always busy),
+    keyed by the workers' display names (a `Recording.workers` entry works too)."""
 
     overall: float
     per_worker: dict[str, float]
@@ -158,7 +179,7 @@ class Recording:
             spans = sorted((t.start, t.stop) for t in busy if t.worker == w)
             per[self.worker_names.get(w, w)] = 1.0 - _union(spans) / window
         overall = sum(per.values()) / len(per) if per else 0.0
-        return BubbleFraction(overall, per)
+        return BubbleFraction(overall, ByWorker(per, self.worker_names))
 
     def save_trace(self, path: str | None = None) -> dict[str, Any]:
         """Chrome trace-event JSON of the recording (opens in Perfetto, ui.perfetto.dev, or
