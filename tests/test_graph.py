@@ -391,3 +391,103 @@ def test_a_lowering_setting_is_part_of_every_key(setting: str, values: Any) -> N
         with dask.config.set({setting: v}):
             keys.append(step(params, x, t)[0].key)
     assert keys[0] == keys[1] != keys[2]
+
+
+@pytest.mark.parametrize("how", ["dataclass", "flax", "methods"])
+def test_pytree_classes_of_a_notebook_travel_to_the_workers(client2: Any, how: str) -> None:
+    """Pytree classes defined where cloudpickle sends them by value (a notebook's or a
+    script's ``__main__``; here a function's locals) lost their JAX registration on the
+    workers: a layer taking one as its input, as its differentiated argument, or handing
+    one from stage 0 to stage 1 failed there ("DynamicJaxprTracer has no attribute h",
+    "not a valid JAX type"). Equal to `jax.value_and_grad` now, on the cluster."""
+    import dataclasses
+
+    import dask
+
+    if how == "dataclass":
+        @jax.tree_util.register_dataclass
+        @dataclasses.dataclass
+        class Carry:
+            h: Any
+            scale: float = dataclasses.field(default=2.0, metadata=dict(static=True))
+    elif how == "flax":
+        flax_struct = pytest.importorskip("flax.struct")
+
+        @flax_struct.dataclass
+        class Carry:                                       # type: ignore[no-redef]
+            h: Any
+            scale: float = flax_struct.field(pytree_node=False, default=2.0)
+    else:
+        @jax.tree_util.register_pytree_node_class
+        class Carry:                                       # type: ignore[no-redef]
+            def __init__(self, h: Any, scale: float = 2.0) -> None:
+                self.h, self.scale = h, scale
+
+            def tree_flatten(self) -> Any:
+                return (self.h,), self.scale
+
+            @classmethod
+            def tree_unflatten(cls, scale: Any, children: Any) -> Any:
+                return cls(*children, scale)
+
+    from dagdiff.core.pytrees import travels_by_value
+    assert travels_by_value(Carry)
+
+    @dd.layer
+    def enc(w: Any, x: Any) -> Any:
+        return Carry(jnp.tanh(x @ w))
+
+    @dd.layer
+    def dec(w: Any, c: Any, t: Any) -> Any:
+        return jnp.mean((c.scale * c.h @ w - t) ** 2)
+
+    def loss(ws: Any, c: Any, t: Any) -> Any:
+        with dd.stage(0):
+            h = enc(ws[0], c.h)
+        with dd.stage(1):
+            return dec(ws[1], h, t)
+
+    def plain(ws: Any, c: Any, t: Any) -> Any:
+        h = jnp.tanh(c.h @ ws[0])
+        return jnp.mean((2.0 * h @ ws[1] - t) ** 2)
+
+    k = jax.random.split(jax.random.PRNGKey(3), 4)
+    ws = [jax.random.normal(k[0], (6, 5)) / 3, jax.random.normal(k[1], (5, 3)) / 3]
+    x, t = jax.random.normal(k[2], (8, 6)), jax.random.normal(k[3], (8, 3))
+    want, want_g = jax.value_and_grad(plain)(ws, Carry(x), t)
+    with client2.as_current():
+        got, g = dask.compute(*dd.value_and_grad(loss, microbatches=2, schedule="1f1b")(
+            ws, Carry(x), t))
+        assert np.allclose(got, want, rtol=1e-5, atol=1e-6)
+        for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(want_g)):
+            assert np.allclose(a, b, rtol=1e-4, atol=1e-6)
+        # the class as the differentiated argument (its gradient is a Carry too)
+        got, gc = dask.compute(*dd.value_and_grad(lambda c, ws, t: loss(ws, c, t))(
+            Carry(x), ws, t))
+        want_gc = jax.grad(lambda c: plain(ws, c, t))(Carry(x))
+        assert isinstance(gc, Carry)
+        assert np.allclose(gc.h, want_gc.h, rtol=1e-4, atol=1e-6)
+
+
+def test_a_notebook_pytree_class_a_worker_cannot_register_is_named(client2: Any) -> None:
+    """A by-value class registered with flatten functions of the user's own
+    (`register_pytree_node`): the worker's error names the class and the fix."""
+    import dask
+
+    class Box:
+        def __init__(self, h: Any) -> None:
+            self.h = h
+
+    jax.tree_util.register_pytree_node(Box, lambda b: ((b.h,), None),
+                                       lambda _, ch: Box(*ch))
+
+    @dd.layer
+    def f(w: Any, b: Any) -> Any:
+        return jnp.sum(b.h @ w)
+
+    w, x = jnp.ones((3, 2)), jnp.ones((4, 3))
+    assert float(dask.compute(dd.value_and_grad(f)(w, Box(x))[0], scheduler="sync")[0]) == 24.0
+    with client2.as_current(), pytest.raises(Exception) as info:
+        dask.compute(*dd.value_and_grad(f)(w, Box(x)))
+    notes = " ".join(getattr(info.value, "__notes__", ()))
+    assert "pytree class" in notes and "Box" in notes and "register_dataclass" in notes, notes

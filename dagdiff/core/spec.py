@@ -8,6 +8,8 @@ from typing import Any, Sequence
 import jax
 from dask.base import tokenize
 
+from .pytrees import PytreeClass, pytree_classes, register_all
+
 
 __all__ = ["CallSpec", "make_call_spec"]
 
@@ -27,6 +29,9 @@ class CallSpec:
     out_avals: tuple[jax.ShapeDtypeStruct, ...] = ()
     remat: bool = False             # forward keeps no residuals; the VJP task recomputes
     checkpoint: str = ""            # "selective": `jax.checkpoint` keeping dots (`core.remat`)
+    #: the pytree classes of its arguments and outputs that travel by value (a notebook's),
+    #: registered with JAX again where the spec is unpickled
+    pytree_classes: tuple[PytreeClass, ...] = ()
 
     @property
     def in_treedef(self) -> Any:
@@ -44,6 +49,7 @@ class CallSpec:
     def __setstate__(self, state: dict[str, Any]) -> None:
         for k, v in state.items():
             object.__setattr__(self, k, v)
+        register_all(state.get("pytree_classes", ()))
 
     def call(self, dyn: Sequence[Any]) -> Any:
         """Run the layer function on dynamic leaves `dyn` (statics filled in), under
@@ -60,13 +66,18 @@ class CallSpec:
         return self.layer.fn(*args, **kwargs)
 
     def with_outputs(self, out_avals: tuple[jax.ShapeDtypeStruct, ...],
-                     in_avals: Sequence[Any] = ()) -> "CallSpec":
+                     in_avals: Sequence[Any] = (), out_treedef: Any = None) -> "CallSpec":
         """This spec with its output avals; they and the dynamic inputs' avals are part of
         the fingerprint, so one fingerprint is one compiled signature (a new sequence
-        length is a new one, counted by `dd.compile_counts`)."""
+        length is a new one, counted by `dd.compile_counts`). `out_treedef`: the outputs'
+        structure, whose by-value pytree classes the spec carries too."""
         sig = (tuple((a.shape, str(a.dtype)) for a in out_avals),
                tuple((tuple(a.shape), str(a.dtype)) for a in in_avals))
-        new = dataclasses.replace(self, out_avals=out_avals,
+        classes = self.pytree_classes
+        if out_treedef is not None:
+            known = {c.cls for c in classes}
+            classes += tuple(c for c in pytree_classes(out_treedef) if c.cls not in known)
+        new = dataclasses.replace(self, out_avals=out_avals, pytree_classes=classes,
                                   fingerprint=f"{self.fingerprint}-{tokenize(sig)[:8]}")
         object.__setattr__(new, "_treedef", self.__dict__.get("_treedef"))
         return new
@@ -83,7 +94,7 @@ def make_call_spec(layer: Any, treedef: Any, kinds: tuple[str, ...], statics: tu
                   ensure_deterministic=False)
     template = jax.tree_util.tree_unflatten(treedef, [_LEAF] * treedef.num_leaves)
     spec = CallSpec(layer, layer.name, f"{layer.name}-{fp}", template, kinds, statics, diff,
-                    remat=layer.remat)
+                    remat=layer.remat, pytree_classes=pytree_classes(treedef))
     object.__setattr__(spec, "_treedef", treedef)
     return spec
 

@@ -351,7 +351,7 @@ def _infer(layer: Layer, treedef: Any, leaves: Sequence[Any], stage: int | None)
         ) from e
     out_leaves, out_treedef = jax.tree_util.tree_flatten(out)
     out_avals = tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in out_leaves)
-    spec = spec.with_outputs(out_avals, avals)
+    spec = spec.with_outputs(out_avals, avals, out_treedef)
     with _INFER_LOCK:
         if len(_INFER_CACHE) > 4096:
             _INFER_CACHE.clear()

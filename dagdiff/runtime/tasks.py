@@ -195,6 +195,9 @@ def _note(error: BaseException, what: str, spec: CallSpec, tag: Any, vals: Seque
     note = f"dagdiff: in the {what} of layer {spec.name!r}{where}"
     if shapes:
         note += f", array inputs {', '.join(shapes)}"
+    unknown = [c.hint for c in getattr(spec, "pytree_classes", ()) if c.kind == "unknown"]
+    if unknown:
+        note += "; " + "; ".join(unknown)
     try:
         error.add_note(note)
     except Exception:                          # Python < 3.11, or a frozen exception
