@@ -98,6 +98,33 @@ def test_aux_mismatches_say_has_aux() -> None:
         with pytest.raises(dd.TracerError, match="must return a 2-tuple \\(loss, aux\\), got "
                                                  "f32\\[\\]"):
             dd.value_and_grad(loss_fn, has_aux=True, **kw)(params, x, t)
+    # dd.Trainer takes no has_aux: its error does not tell you to pass it
+    trainer = dd.Trainer(with_aux, optax.sgd(0.1), client=None)
+    with pytest.raises(dd.TracerError, match="dd.Trainer trains on a loss function that "
+                                             "returns the loss alone") as info:
+        trainer.step(trainer.init(params), x, t)
+    assert "pass has_aux" not in str(info.value)
+
+
+def test_microbatches_on_an_unstaged_model_say_it_is_a_pipeline() -> None:
+    """microbatches=4 on a model without stages: the error says the microbatches made a
+    pipeline and how to accumulate gradients on one stage instead, which then equals
+    jax.value_and_grad."""
+    params, x, t = data()
+
+    def unstaged(params: Any, x: Any, t: Any) -> Any:
+        return M.mse(M.dense(params[1], M.dense(params[0], x)), t)
+
+    with pytest.raises(dd.PlacementError, match=r"microbatches=4 makes the step a pipeline "
+                                                r"\(schedule '1f1b'.*pass stages=1"):
+        dask.compute(*dd.value_and_grad(unstaged, microbatches=4)(params, x, t),
+                     scheduler="sync")
+    got, g = dask.compute(*dd.value_and_grad(unstaged, microbatches=4, stages=1)(
+        params, x, t), scheduler="sync")
+    want, want_g = jax.value_and_grad(unstaged)(params, x, t)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(want_g)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_array_methods_and_comparisons_between_layers_say_to_use_a_layer() -> None:

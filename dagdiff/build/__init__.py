@@ -201,7 +201,7 @@ def trace_model(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str
             _note_split(e, args, kwargs, names, batch_nums, nums, options.batch_axis, m)
         raise
     loss, aux = split_aux(out, options.has_aux, fname)
-    loss = check_loss(loss, trace, fname)
+    loss = check_loss(loss, trace, fname, aux=options.where != "dd.Trainer")
     if client is not None:                     # the step's tasks will be pickled
         check_shippable(trace)
     # full-batch values of the placeholder inputs (input nodes are made in argument order)

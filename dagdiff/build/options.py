@@ -2,6 +2,7 @@
 once, and the part of them every task key carries (`Options.token`)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -46,6 +47,8 @@ class Options:
     resident: bool = True
     dispatch: str | None = None
     remat: RematPolicy = "none"
+    #: who took these options (``"dd.Trainer"``, ``"dd.value_and_grad"``): errors name it
+    where: str = dataclasses.field(default="dd.value_and_grad", compare=False)
 
     @classmethod
     def make(cls, where: str, *, argnums: int | Sequence[int] = 0, has_aux: bool = False,
@@ -81,7 +84,7 @@ class Options:
         return cls(nums, bool(has_aux), microbatches, sched, bnums, batch_axis, stages,
                    tuple(sorted((placement or {}).items())),
                    pipelined if fuse is None else bool(fuse), bool(resident), dispatch,
-                   check_remat(where, remat))
+                   check_remat(where, remat), where)
 
     @property
     def pipelined(self) -> bool:

@@ -132,11 +132,17 @@ def split_aux(out: Any, has_aux: bool, fname: str) -> tuple[Any, Any]:
     return out
 
 
-def check_loss(loss: Any, trace: Trace, fname: str) -> Traced:
+def check_loss(loss: Any, trace: Trace, fname: str, aux: bool = True) -> Traced:
+    """The loss `fname` returned, checked: a traced float scalar of `trace`. `aux`: the
+    caller takes ``has_aux=True`` (`dd.Trainer` does not)."""
     if isinstance(loss, tuple) and len(loss) == 2 and isinstance(loss[0], Traced):
         raise TracerError(
             f"{fname} returned a 2-tuple, not a scalar loss; if the second item is auxiliary "
-            "output, pass has_aux=True (it returns (loss, aux) then)")
+            "output, pass has_aux=True (it returns (loss, aux) then)" if aux else
+            f"{fname} returned a 2-tuple, not a scalar loss; dd.Trainer trains on a loss "
+            "function that returns the loss alone: return the loss (e.g. a wrapper "
+            "`lambda *a: loss_fn(*a)[0]`), and get auxiliary outputs from "
+            "dd.value_and_grad(loss_fn, has_aux=True) when you need them")
     if not isinstance(loss, Traced) or loss.trace is not trace:
         raise TracerError(
             f"{fname} must return a traced scalar (the output of a dd.layer call), got "

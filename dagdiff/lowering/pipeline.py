@@ -271,7 +271,10 @@ def order_actions(dsk: dict[str, Any], lowered: list[Lowered], trace: Trace,
             f"{', '.join(unstaged)}. Use @dd.layer(stage=k), `with dd.stage(k):`, or "
             "stages='auto' (a layer or an operator on traced values, such as + * / @, "
             "outside any `dd.stage` block runs on its inputs' stage when they all come from "
-            "one stage; one that reads several stages, or none, needs a stage of its own).")
+            "one stage; one that reads several stages, or none, needs a stage of its own)."
+            + (f" microbatches={m} makes the step a pipeline (schedule {schedule.name!r} "
+               "unless you give one); to accumulate gradients over microbatches with the "
+               "whole model on one worker, pass stages=1" if stages == [None] else ""))
     v = schedule.virtual_stages
     n_stages = max(stages) + 1 - stage_offset
     if n_stages % v:
