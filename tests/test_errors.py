@@ -235,7 +235,16 @@ def test_a_shape_error_in_a_pipeline_says_what_was_split() -> None:
         dd.value_and_grad(loss_fn, microbatches=2, schedule="gpipe")(params, x, t=t)
     notes = "\n".join(e.value.__notes__)
     assert "split into 2 microbatches along axis 0: 'x'" in notes
-    assert "every microbatch: t= (keyword arguments are never split" in notes
+    assert "every microbatch: 'params', t= (differentiated arguments and keyword arguments are " \
+        "never split" in notes
+    # a batch argument differentiated beside the parameters is not split either
+    with pytest.raises(dd.LayerShapeError, match="'mse' on stage 1") as e:
+        dd.value_and_grad(loss_fn, argnums=(0, 1), microbatches=2, schedule="gpipe")(
+            params, x, t)
+    notes = "\n".join(e.value.__notes__)
+    assert "split into 2 microbatches along axis 0: 't'; passed whole to every " \
+        "microbatch: 'params', 'x' (differentiated arguments" in notes, notes
+    assert "take a batch argument's gradient without microbatches" in notes
 
 
 def test_a_custom_fwd_without_residuals_is_named() -> None:

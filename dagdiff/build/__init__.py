@@ -229,11 +229,17 @@ def _note_split(e: BaseException, args: Sequence[Any], kwargs: Mapping[str, Any]
     unsplit += [repr(names[i]) for i in range(len(args))
                 if i not in batch and i not in nums
                 and any(map(is_array, jax.tree_util.tree_leaves(args[i])))]
-    if unsplit:
+    # differentiated arguments are never split (their gradient is summed over the
+    # microbatches): named when there is one beside the first (the parameters)
+    whole = [repr(names[i]) for i in nums if i < len(args)
+             and any(map(is_array, jax.tree_util.tree_leaves(args[i])))]
+    if unsplit or len(whole) > 1:
         e.add_note(f"dagdiff: split into {m} microbatches along axis {axis}: "
                    f"{', '.join(repr(names[i]) for i in batch) or 'nothing'}; passed whole "
-                   f"to every microbatch: {', '.join(unsplit)} (keyword arguments are never "
-                   "split; choose with batch_argnums=)")
+                   f"to every microbatch: {', '.join([*whole, *unsplit])} (differentiated "
+                   "arguments and keyword arguments are never split; choose with "
+                   "batch_argnums=, and take a batch argument's gradient without "
+                   "microbatches)")
 
 
 def _prepare(trace: Trace, loss: Traced, aux: Any, client: Any,
