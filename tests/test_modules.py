@@ -299,6 +299,42 @@ def test_trainer_trains_an_eqx_model_as_equinox_and_optax_do() -> None:
     assert_same(eqx.filter(got, eqx.is_inexact_array), eqx.filter(model, eqx.is_inexact_array))
 
 
+def test_trainer_trains_a_list_of_eqx_blocks_as_equinox_and_optax_do() -> None:
+    """A model as a list of Equinox blocks (each with its activation function as a
+    leaf): dd.Trainer refused it ("parameters must be float arrays; leaf 4 is
+    PjitFunction") where dd.value_and_grad took it; it trains as equinox + optax now and
+    `params` gives the list back with its functions."""
+    keys = jax.random.split(jax.random.key(5), 2)
+    blocks = [eqx.nn.MLP(D, 8, 8, 1, activation=jax.nn.tanh, key=keys[0]),
+              eqx.nn.MLP(8, D, 8, 1, key=keys[1])]
+    batches = [(rand(30 + i, (8, D)), rand(40 + i, (8, D))) for i in range(3)]
+
+    def loss_fn(model: Any, x: Any, t: Any) -> Any:
+        for i, b in enumerate(model):
+            x = dd.layer(eqx.filter_vmap(b), name="block", stage=i)(x)
+        return mse(x, t)
+
+    def ref(model: Any, x: Any, t: Any) -> Any:
+        for b in model:
+            x = jax.vmap(b)(x)
+        return jnp.mean((x - t) ** 2)
+
+    opt = optax.adam(1e-2)
+    params, static = eqx.partition(blocks, eqx.is_inexact_array)
+    opt_state = opt.init(params)
+    for x, t in batches:
+        grads = eqx.filter_grad(ref)(eqx.combine(params, static), x, t)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        params = eqx.apply_updates(params, updates)
+    trainer = dd.Trainer(loss_fn, opt, microbatches=2, schedule="1f1b")
+    state = trainer.init(blocks)
+    for x, t in batches:
+        state, loss = trainer.step(state, x, t)
+    got = trainer.params(state)
+    assert type(got) is list and got[0].activation is jax.nn.tanh
+    assert_same(eqx.filter(got, eqx.is_inexact_array), params)
+
+
 # --- Flax Linen -------------------------------------------------------------------------
 class LinenMLP(linen.Module):
     width: int

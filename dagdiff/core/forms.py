@@ -45,8 +45,12 @@ class ModelForm:
 
     @classmethod
     def of(cls, obj: Any) -> "ModelForm | None":
-        """The form of an NNX or Equinox module; None for any other value."""
+        """The form of an NNX or Equinox module, or of a list, tuple or dict holding
+        Equinox modules (a model as a list of blocks); None for any other value."""
         kind = library_of(obj)
+        name = type(obj).__name__
+        if kind is None and _holds_eqx(obj):
+            kind, name = "eqx", f"{name} of Equinox modules"
         if kind not in ("nnx", "eqx"):
             return None
         register_with_nnx()
@@ -66,7 +70,7 @@ class ModelForm:
                 name, k = f"{base}_{k}", k + 1
             seen.add(name)
             names.append(name)
-        return cls(kind, treedef, tuple(x for _, x in flat), tuple(names), type(obj).__name__)
+        return cls(kind, treedef, tuple(x for _, x in flat), tuple(names), name)
 
     def without_params(self) -> "ModelForm":
         """This form without the parameters' values (enough to `rebuild`)."""
@@ -95,6 +99,14 @@ class ModelForm:
             return nnx.state(jax.tree_util.tree_unflatten(self.treedef, leaves), nnx.Param)
         return jax.tree_util.tree_unflatten(
             self.treedef, [None if n is None else grads.get(n) for n in self.names])
+
+
+def _holds_eqx(obj: Any) -> bool:
+    """Whether `obj`, a list, tuple or dict, holds an Equinox module at any depth."""
+    if not isinstance(obj, (list, tuple, dict)):
+        return False
+    nodes = jax.tree_util.tree_leaves(obj, is_leaf=lambda x: library_of(x) == "eqx")
+    return any(library_of(x) == "eqx" for x in nodes)
 
 
 def _check_unshared(module: Any, n: int) -> None:
