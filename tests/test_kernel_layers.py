@@ -100,6 +100,38 @@ def test_residuals_travel_between_workers_without_remat(client2: Any) -> None:
     assert dd.remat_count(client2) == 0
 
 
+def test_kernels_take_float64_numpy_and_mixed_precision_inputs_in_a_graph() -> None:
+    """Parameters made with NumPy (float64, which JAX computes in float32) and a float16
+    input with a float32 bias: the kernels' rules return cotangents in the precision
+    they computed in, which the graph refused ("cotangents must have the argument's
+    shape and dtype") where jax.grad takes them. Gradients now equal jax.grad's of the
+    reference math, in the dtype JAX gives each argument."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4, 6))
+    p = {"g": rng.normal(size=6) + 1.0, "b": rng.normal(size=6)}
+
+    @dd.layer
+    def total(h: Any) -> Any:
+        return jnp.sum(h.astype(jnp.float32) ** 2)
+
+    loss, grads = dask.compute(*dd.value_and_grad(
+        lambda p, x: total(dd.kernels.layer_norm(x, p["g"], p["b"])))(p, x), scheduler="sync")
+    want, want_g = jax.value_and_grad(
+        lambda p, x: jnp.sum(R.layer_norm_ref(x, p["g"], p["b"]) ** 2))(p, x)
+    assert grads["g"].dtype == want_g["g"].dtype == jnp.float32
+    np.testing.assert_allclose(loss, want, rtol=1e-5)
+    close(grads, want_g)
+    x16, b32 = jnp.asarray(x, jnp.float16), jnp.asarray(p["b"], jnp.float32)
+    (gx, gb) = dask.compute(dd.grad(lambda x, b: total(dd.kernels.bias_gelu(x, b)),
+                                    argnums=(0, 1))(x16, b32), scheduler="sync")[0]
+    wx, wb = jax.grad(lambda x, b: jnp.sum(R.bias_gelu_ref(x, b).astype(jnp.float32) ** 2),
+                      argnums=(0, 1))(x16, b32)
+    assert (gx.dtype, gb.dtype) == (wx.dtype, wb.dtype) == (jnp.float16, jnp.float32)
+    np.testing.assert_allclose(np.asarray(gx, np.float32), np.asarray(wx, np.float32),
+                               rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(gb, wb, rtol=2e-2, atol=2e-2)
+
+
 def test_custom_rule_errors_name_the_kernel() -> None:
     def fwd(x: Any, w: Any) -> Any:
         return np.asarray(x) * np.asarray(w), (np.asarray(x), np.asarray(w))

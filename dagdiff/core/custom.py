@@ -216,13 +216,24 @@ def check_cotangents(layer: CustomLayer, cts: Any, primals: list[Any],
         if ct is None:
             raise CustomRuleError(f"custom layer {layer.name!r}: bwd returned None for "
                                   f"differentiable argument {i} ({_fmt(x)})")
-        if tuple(np.shape(ct)) != tuple(np.shape(x)) or np.dtype(ct.dtype) != np.dtype(x.dtype):
+        # the dtype JAX computes the argument in (float64 NumPy is float32 without x64);
+        # a float cotangent of another precision (a rule computing in float32 for a
+        # float16 argument) is cast to it, as the argument's gradient has its dtype
+        want = jax.dtypes.canonicalize_dtype(x.dtype)
+        if tuple(np.shape(ct)) == tuple(np.shape(x)) and np.dtype(ct.dtype) != want \
+                and _floating(ct.dtype) and _floating(want):
+            ct = jnp.asarray(ct).astype(want)
+        if tuple(np.shape(ct)) != tuple(np.shape(x)) or np.dtype(ct.dtype) != want:
             raise CustomRuleError(
                 f"custom layer {layer.name!r}: bwd returned a cotangent {_fmt(ct)} for "
                 f"argument {i} of {_fmt(x)}; cotangents must have the argument's shape and "
                 "dtype")
         out.append(ct)
     return out
+
+
+def _floating(dtype: Any) -> bool:
+    return bool(jnp.issubdtype(dtype, jnp.floating))
 
 
 def _one_per_argument(name: str, cts: Any, n: int) -> tuple[Any, ...] | list[Any]:
