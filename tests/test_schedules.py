@@ -319,13 +319,28 @@ def test_compiled_1f1b_is_the_textbook_order() -> None:
 
     prog = compile_schedule("1f1b", 4, 6)
     assert prog.to_csv().splitlines() == [
-        "F0,F1,F2,F3,B0,F4,B1,F5,B2,B3,B4,B5",
-        "F0,F1,F2,B0,F3,B1,F4,B2,F5,B3,B4,B5",
-        "F0,F1,B0,F2,B1,F3,B2,F4,B3,F5,B4,B5",
-        "F0,B0,F1,B1,F2,B2,F3,B3,F4,B4,F5,B5",
+        "0F0,0F1,0F2,0F3,0B0,0F4,0B1,0F5,0B2,0B3,0B4,0B5",
+        "1F0,1F1,1F2,1B0,1F3,1B1,1F4,1B2,1F5,1B3,1B4,1B5",
+        "2F0,2F1,2B0,2F2,2B1,2F3,2B2,2F4,2B3,2F5,2B4,2B5",
+        "3F0,3B0,3F1,3B1,3F2,3B2,3F3,3B3,3F4,3B4,3F5,3B5",
     ]
     assert [a.stage for a in prog.workers[2]] == [2] * 12
     assert compile_schedule("1f1b", 4, 6) is prog              # compiled once
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved", "zb-v", "zb-h1"])
+def test_the_csv_is_the_one_torch_loads(name: str) -> None:
+    """`to_csv` cells are torch's action strings (``<stage><kind><microbatch>``): torch's
+    own parser reads each back as the same stage, kind and microbatch (the cells were
+    ``F0`` / ``F0@s0``, which torch's ``_load_csv`` refused)."""
+    from dagdiff.schedules import compile_schedule
+
+    S = pytest.importorskip("torch.distributed.pipelining.schedules")
+    prog = compile_schedule(name, 2, 4)
+    for acts, line in zip(prog.workers, prog.to_csv().splitlines()):
+        parsed = [S._Action.from_str(c) for c in line.split(",")]
+        assert [(a.stage_index, a.computation_type.value, a.microbatch_index)
+                for a in parsed] == [(a.stage, a.kind, a.microbatch) for a in acts]
 
 
 @pytest.mark.parametrize("name,p,m", [("1f1b", 4, 6), ("gpipe", 3, 4), ("interleaved", 2, 4),

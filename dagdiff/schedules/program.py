@@ -90,9 +90,12 @@ class PipelineProgram:
         return "\n".join(lines)
 
     def to_csv(self) -> str:
-        """One line per worker: its actions in order, comma-separated (torch's pipeline
-        CSV form; ``@s<stage>`` added when workers hold several stages)."""
-        return "\n".join(",".join(self._cell(a) for a in acts) for acts in self.workers)
+        """One line per worker: its actions in order, comma-separated, each as torch
+        writes an action (``<stage><kind><microbatch>``: ``1B3`` is the backward of
+        microbatch 3 on global stage 1): the compute-only CSV that torch's pipeline
+        schedules dump and load (``_dump_csv`` / ``_load_csv``)."""
+        return "\n".join(",".join(f"{a.stage}{a.kind}{a.microbatch}" for a in acts)
+                         for acts in self.workers)
 
     def __str__(self) -> str:
         return self.format()
