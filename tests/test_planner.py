@@ -195,12 +195,20 @@ def test_wrong_inputs_name_the_problem() -> None:
         dd.predict("interleaved", fake_profile(4, workers=2, m=4), microbatches=3)
     with pytest.raises(dd.ArgumentError, match=r"takes a dd.Profile"):
         dd.predict("1f1b", {"F": 1.0})
-    with pytest.raises(dd.ArgumentError, match=r"microbatches must be positive ints"):
+    with pytest.raises(dd.ArgumentError, match=r"microbatches must be a positive int or an "
+                                               r"iterable of them"):
         dd.best_schedule(two, microbatches=(0,))
+    # NumPy's ints are ints (np.int64 raised "'numpy.int64' object is not iterable")
+    assert [r[:2] for r in dd.best_schedule(two, microbatches=np.int64(4))] == \
+        [r[:2] for r in dd.best_schedule(two, microbatches=4)]
+    assert dd.best_schedule(two, microbatches=np.arange(4, 5))
+    with pytest.raises(dd.ArgumentError, match=r"memory_limit must be positive bytes"):
+        dd.best_schedule(two, memory_limit=-1)
     with pytest.raises(dd.ArgumentError, match=r"memory_limit must be bytes"):
         dd.best_schedule(two, memory_limit="lots")
-    with pytest.raises(dd.ArgumentError, match=r"no schedule fits.*lays out"):
+    with pytest.raises(dd.ArgumentError, match=r"no schedule fits.*lays out") as info:
         dd.best_schedule(fake_profile(3, workers=2))
+    assert "raise memory_limit" not in str(info.value)      # memory was not the reason
     with pytest.raises(dd.ArgumentError, match=r"no F/B/I/W action"):
         dd.Profile.from_recording(Recording(), _fake_build())
 

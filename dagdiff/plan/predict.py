@@ -4,6 +4,7 @@ prediction above the measured timeline."""
 from __future__ import annotations
 
 import inspect as _inspect
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -234,11 +235,18 @@ def best_schedule(profile: Profile, microbatches: int | Iterable[int] | None = N
     prof = _check_profile(profile, "dd.best_schedule")
     if remat != "auto":
         check_remat("dd.best_schedule", remat)
-    ms = ((prof.microbatches,) if microbatches is None
-          else (microbatches,) if isinstance(microbatches, int) else tuple(microbatches))
+    if isinstance(microbatches, numbers.Integral):     # an int, or NumPy's
+        microbatches = int(microbatches)
+    try:
+        ms = ((prof.microbatches,) if microbatches is None
+              else (microbatches,) if isinstance(microbatches, int)
+              else tuple(int(m) if isinstance(m, numbers.Integral) and not isinstance(m, bool)
+                         else m for m in microbatches))
+    except TypeError:
+        ms = ()
     if not ms or not all(isinstance(m, int) and not isinstance(m, bool) and m >= 1 for m in ms):
-        raise ArgumentError(f"dd.best_schedule: microbatches must be positive ints, got "
-                            f"{microbatches!r}")
+        raise ArgumentError(f"dd.best_schedule: microbatches must be a positive int or an "
+                            f"iterable of them, got {microbatches!r}")
     limit = None
     if memory_limit is not None:
         try:
@@ -247,6 +255,9 @@ def best_schedule(profile: Profile, microbatches: int | Iterable[int] | None = N
         except (ValueError, TypeError) as e:
             raise ArgumentError(f"dd.best_schedule: memory_limit must be bytes (an int or a "
                                 f"string like '2GB'), got {memory_limit!r}") from e
+        if limit <= 0:
+            raise ArgumentError(f"dd.best_schedule: memory_limit must be positive bytes, got "
+                                f"{memory_limit!r}")
     names = list(SCHEDULES) if schedules is None else [get_schedule(s).name for s in schedules]
     p = prof.workers if workers is None else workers
     found: list[tuple[str, int, Prediction]] = []
@@ -277,12 +288,14 @@ def best_schedule(profile: Profile, microbatches: int | Iterable[int] | None = N
                            (" even with full recomputation" if remat == "auto" else ""))
                 continue
             found.append((name, m, pred))
+    memory = any("needs " in w for w in why)
     if not found:
         raise ArgumentError(
             f"dd.best_schedule: no schedule fits the profile ({prof.num_stages} stages, {p} "
             f"workers, memory_limit={memory_limit!r}): " + "; ".join(why[:12])
-            + "; fix: raise memory_limit, try more microbatches, or profile a model with "
-            "another stage count")
+            + "; fix: " + ("raise memory_limit, " if memory else "")
+            + "try other microbatch counts (ones the profiled batch splits into), or "
+            "profile a model with another stage count")
     return sorted(found, key=lambda r: (r[2].makespan, r[2].peak_memory, r[1]))
 
 
