@@ -426,3 +426,19 @@ def _jax_has_gpu() -> bool:
         return bool(jax.devices("gpu"))
     except RuntimeError:
         return False
+
+
+def test_out_of_range_labels_are_named_before_the_callback() -> None:
+    """Concrete labels outside the logits' classes: a ValueError naming the range (it was
+    an INTERNAL error of jax.pure_callback, the reason buried in its traceback)."""
+    import dagdiff as dd
+    from dagdiff.kernels import softmax_cross_entropy_jax
+
+    logits = np.zeros((3, 5), np.float32)
+    for fn in (softmax_cross_entropy_jax, dd.kernels.softmax_cross_entropy):
+        with pytest.raises(ValueError, match=r"labels must lie in \[0, 5\).*from 0 to 7"):
+            fn(logits, np.array([0, 1, 7]))
+        with pytest.raises(ValueError, match=r"from -1 to 1"):
+            fn(logits, np.array([0, 1, -1]))
+    assert np.isclose(float(softmax_cross_entropy_jax(logits, np.array([0, 1, 4]))),
+                      np.log(5), rtol=1e-6)

@@ -203,6 +203,13 @@ def softmax_cross_entropy_jax(
     _check_float(logits.dtype, "logits")
     if not jnp.issubdtype(labels.dtype, jnp.integer):
         raise TypeError(f"labels must be integers, got dtype {labels.dtype}")
+    if not isinstance(labels, jax.core.Tracer) and labels.size:
+        # concrete labels are checked here: inside the callback the same check surfaces
+        # as an INTERNAL error of jax.pure_callback (traced labels can only be checked there)
+        low, high = int(labels.min()), int(labels.max())
+        if low < 0 or high >= logits.shape[1]:
+            raise ValueError(f"labels must lie in [0, {logits.shape[1]}) (the logits' "
+                             f"{logits.shape[1]} classes), got labels from {low} to {high}")
     return _softmax_xent_cvjp(logits, labels)
 
 
