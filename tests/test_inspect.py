@@ -407,3 +407,6 @@ def test_bubble_fraction_takes_the_names_rec_workers_gives() -> None:
     assert per["slot0"] == 0.75 and "tcp://a:1" in per and "tcp://c:3" not in per
     with pytest.raises(KeyError):
         per["tcp://c:3"]
+    import pickle
+    again = pickle.loads(pickle.dumps(per))
+    assert again == per and again["tcp://b:2"] == 0.0

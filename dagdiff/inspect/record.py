@@ -48,9 +48,9 @@ class ByWorker(dict):  # type: ignore[type-arg]
     """A dict keyed by the workers' display names (their slots, ``slot0``), which also
     takes the names `Recording.workers` gives (addresses, threads)."""
 
-    def __init__(self, items: Any, names: dict[str, str]) -> None:
+    def __init__(self, items: Any = (), names: dict[str, str] | None = None) -> None:
         super().__init__(items)
-        self._names = names
+        self._names = dict(names or {})
 
     def __missing__(self, key: str) -> Any:
         name = self._names.get(key)
