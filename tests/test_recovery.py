@@ -777,7 +777,7 @@ def test_a_worker_lost_while_fit_copies_its_final_state(cluster_client: Any) -> 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("cluster_client", [2], indirect=True)
-@pytest.mark.parametrize("then", ["params", "step", "fit", "fit at once"])
+@pytest.mark.parametrize("then", ["params", "step", "fit at once"])
 def test_params_of_a_state_lost_with_its_copies_makes_it_again(cluster_client: Any,
                                                                then: str) -> None:
     """A step loop's newest state and its copies lost together (the worker killed before

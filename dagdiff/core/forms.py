@@ -103,7 +103,7 @@ class ModelForm:
 
 def _holds_eqx(obj: Any) -> bool:
     """Whether `obj`, a list, tuple or dict, holds an Equinox module at any depth."""
-    if not isinstance(obj, (list, tuple, dict)):
+    if not isinstance(obj, (list, tuple, dict)) or "equinox" not in sys.modules:
         return False
     nodes = jax.tree_util.tree_leaves(obj, is_leaf=lambda x: library_of(x) == "eqx")
     return any(library_of(x) == "eqx" for x in nodes)
