@@ -781,8 +781,8 @@ def test_a_worker_lost_while_fit_copies_its_final_state(cluster_client: Any) -> 
 def test_params_of_a_state_lost_with_its_copies_makes_it_again(cluster_client: Any,
                                                                then: str) -> None:
     """A step loop's newest state and its copies lost together (the worker killed before
-    the copies landed; here they are cancelled so it always happens): `trainer.params`
-    makes the state again through its lineage, as `recover` does, instead of raising
+    the copies landed; here the copies are cancelled and dropped so it always happens):
+    `trainer.params` makes the state again through its lineage, as `recover` does, instead of raising
     `LostStateError`, and equals plain JAX + optax; so does a next `step` from it, in the
     README's loop, and a `fit` from it (they raised `LostStateError`, also after a Ctrl-C
     in `fit` and a worker lost; `fit`'s did when its first step was built for the lost
@@ -798,8 +798,8 @@ def test_params_of_a_state_lost_with_its_copies_makes_it_again(cluster_client: A
         state, loss = trainer.step(state, x, t)
         loss.result()
     assert state.backup
-    client.cancel(list(state.backup.values()))
     victim = state.where[(0, 1)]
+    _lose_the_copies(client, state, victim)
     os.kill(_pids(client)[victim], signal.SIGKILL)
     deadline = time.time() + 60
     # the scheduler's own list (the client's cached scheduler_info() can list no workers
@@ -819,6 +819,37 @@ def test_params_of_a_state_lost_with_its_copies_makes_it_again(cluster_client: A
     p, _ = M.optax_reference(loss_fn, opt, params, batches)
     close(trainer.params(state), p, rtol=2e-4, atol=2e-5)
     assert trainer.recoveries
+
+
+def _drop_replicas(keys: list[str], keep: str, dask_scheduler: Any = None) -> None:
+    for key in keys:
+        for ws in list(dask_scheduler.tasks[key].who_has or ()):
+            if ws.address != keep:
+                dask_scheduler.request_remove_replicas(ws.address, [key],
+                                                       stimulus_id="test-drop-replicas")
+
+
+def _holders(keys: list[str], dask_scheduler: Any = None) -> dict[str, list[str]]:
+    return {k: sorted(ws.address for ws in dask_scheduler.tasks[k].who_has or ())
+            for k in keys}
+
+
+def _lose_the_copies(client: Any, state: Any, victim: str) -> None:
+    """Make `state`'s values on `victim` held by `victim` alone, as when it is killed
+    before its copies land: the copy tasks finished and cancelled, and the replica each
+    copy task fetched to the other worker (Dask keeps it there) dropped."""
+    client.gather(list(state.backup.values()))
+    client.cancel(list(state.backup.values()))
+    keys = [f.key for rg, f in state.placed.items() if state.where[rg] == victim]
+    assert keys
+    deadline = time.time() + 30
+    while True:
+        client.run_on_scheduler(_drop_replicas, keys, victim)
+        held = client.run_on_scheduler(_holders, keys)
+        if all(h == [victim] for h in held.values()) or time.time() > deadline:
+            break
+        time.sleep(0.05)
+    assert all(h == [victim] for h in held.values()), held
 
 
 def _built_for_another() -> None:
