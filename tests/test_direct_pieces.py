@@ -661,24 +661,57 @@ def test_an_import_comes_from_the_run_that_made_it_else_from_memory_else_fails()
 def test_a_program_task_released_before_its_program_began_stops_as_it_begins() -> None:
     """The scheduler released a program task whose thread had not reached its program yet
     (or a window's task between two of its programs): `cancel` finds nothing running and
-    marks the task's Dask run; its program then stops as it begins, with a clear error,
+    marks the task's Dask run; its program then stops as it begins (with `Reschedule`:
+    Dask drops a released task's outcome, and one submitted again meanwhile runs again),
     and a later run of the same key (a new Dask run id) is not stopped by the old mark."""
     from types import SimpleNamespace
 
-    from dagdiff.errors import DirectDispatchError
+    from distributed import Reschedule
 
     worker = _FakeWorker()
     worker.state = SimpleNamespace(tasks={"prog_slot0-n0-c": SimpleNamespace(run_id=7)})
     rt = rt_mod.DirectRuntime(worker)
     prog = Program("prog_slot0-n0-c", "c", "slot0", worker.address, (), (), 5.0)
     rt.cancel("prog_slot0-n0-c")                       # released: nothing runs yet
-    with pytest.raises(DirectDispatchError, match="cancelled before this program began"):
+    with pytest.raises(Reschedule, match="cancelled before this program began"):
         rt._run(prog, "n1", (), secede=False)
     assert rt._running == {}
     worker.state.tasks["prog_slot0-n0-c"].run_id = 8   # computed again later
     rt.cancel("prog_slot0-n0-x")                       # another task's mark
     assert rt._run(prog, "n2", (), secede=False) == {}  # no actions: it just runs
     assert rt._running == {}
+
+
+def test_a_program_thread_resumed_for_a_new_submission_runs_again_under_its_id() -> None:
+    """A program task released while its thread runs (Ctrl-C) and submitted again before
+    the thread ended is resumed by distributed's worker: the thread goes on with the old
+    run id while the step's other programs run under the new one, which only the task's
+    ``run_spec`` holds. The thread then raises ``Reschedule`` (the scheduler runs the task
+    again under the new id; `ColocateVJP` keeps it), whether it notices before its
+    program begins or through the cancellation while it runs; before, it ran under the
+    old id or failed the new step with the old run's cancellation, and the step's other
+    programs waited for it until `dagdiff.direct.timeout`."""
+    from types import SimpleNamespace
+
+    from dask._task_spec import Task
+    from distributed import Reschedule
+
+    def spec(nonce: str) -> Any:
+        return Task("prog_slot0-n0-r", rt_mod.run_program, "prog", rt_mod.RunNonce(nonce))
+
+    worker = _FakeWorker()
+    ts = SimpleNamespace(run_id=3, run_spec=spec("old"))
+    worker.state = SimpleNamespace(tasks={"prog_slot0-n0-r": ts})
+    rt = rt_mod.DirectRuntime(worker)
+    prog = Program("prog_slot0-n0-r", "r", "slot0", worker.address, (), (), 5.0)
+    assert not rt.resumed(prog.key, rt_mod.RunNonce("old"))
+    assert rt._run(prog, rt_mod.RunNonce("old"), (), secede=False) == {}
+    ts.run_spec, ts.run_id = spec("new"), 4             # resumed for a new submission
+    assert rt.resumed(prog.key, rt_mod.RunNonce("old"))
+    with pytest.raises(Reschedule):
+        rt._run(prog, rt_mod.RunNonce("old"), (), secede=False)
+    assert rt._running == {}
+    assert rt._run(prog, rt_mod.RunNonce("new"), (), secede=False) == {}
 
 
 async def _lose_and_send_again(to: str, run: str, dask_worker: Any) -> tuple[bool, bool, Any]:

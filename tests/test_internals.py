@@ -71,11 +71,15 @@ def test_the_instance_attributes_are_there_on_a_running_cluster() -> None:
             task = next(t for k, t in w.state.tasks.items() if t.state == "executing")
             links = all(isinstance(getattr(task, a), set)
                         for a in ("dependencies", "dependents", "waiters"))
+            own = internals.worker_task(w, task.key)
+            spec = (own is task and getattr(own.run_spec, "key", None) == task.key
+                    and isinstance(own.run_id, int))
             return (isinstance(w.batched_stream.interval, float),
-                    isinstance(internals.scheduler_delay(w), float), links)
+                    isinstance(internals.scheduler_delay(w), float), links, spec)
 
-        assert client.submit(worker_side).result() == (True, True, True), \
-            "Worker.batched_stream.interval / Worker.scheduler_delay / TaskState links"
+        assert client.submit(worker_side).result() == (True, True, True, True), \
+            "Worker.batched_stream.interval / Worker.scheduler_delay / TaskState links / " \
+            "TaskState.run_spec and run_id (worker_task)"
 
 
 def test_a_comm_takes_the_deserialize_switch() -> None:
@@ -84,6 +88,19 @@ def test_a_comm_takes_the_deserialize_switch() -> None:
     from distributed.comm.core import Comm
 
     assert "self.deserialize" in inspect.getsource(Comm.__init__), "Comm.deserialize"
+
+
+def test_a_reschedule_has_its_own_stimulus_id() -> None:
+    """`internals.rescheduled`: a task raising ``Reschedule`` sends the scheduler a
+    stimulus id that starts with ``RESCHEDULE_STIMULUS``."""
+    import inspect
+
+    from distributed.worker import Worker
+
+    assert f'stimulus_id=f"{internals.RESCHEDULE_STIMULUS}' in inspect.getsource(
+        Worker.execute), "Worker.execute's RescheduleEvent stimulus id"
+    assert internals.rescheduled("reschedule-1.5") and not internals.rescheduled(
+        "client-releases-keys-1.5") and not internals.rescheduled(None)
 
 
 def test_a_comm_takes_the_offload_switch() -> None:

@@ -253,3 +253,58 @@ def test_fit_again_from_one_state_on_the_same_batches(client2: Any,
     for got_state, losses in results[1:]:
         np.testing.assert_allclose(losses, first_losses, rtol=1e-6)
         close(tr.params(got_state), tr.params(first_state))
+
+
+def _slow_fwd(x: Any) -> Any:
+    time.sleep(0.5)
+    return np.asarray(x), None
+
+
+#: the identity, 0.5 s a call on the worker: stage 0's program is inside this action
+#: when its step is released
+_slow = dd.custom_layer(_slow_fwd, lambda res, ct: (np.asarray(ct),), name="slow_in",
+                        jax_fn=lambda x: x)
+
+
+def _slow_start_loss(params: Any, x: Any, t: Any, slow: Any = _slow) -> Any:
+    from tests.models import dense, mse
+
+    with dd.stage(0):
+        h = dense(params[0], slow(x))
+    with dd.stage(1):
+        return mse(dense(params[1], h), t)
+
+
+def _programs_running(dask_worker: Any) -> int:
+    return len(dask_worker.extensions["dagdiff"]._running)
+
+
+def _programs_cancelled(dask_worker: Any) -> int:
+    return sum(ts.state == "cancelled" for k, ts in dask_worker.state.tasks.items()
+               if isinstance(k, str) and k.startswith("prog"))
+
+
+@pytest.mark.timeout(120)
+def test_a_step_released_mid_program_and_computed_again_at_once(client2: Any) -> None:
+    """A re-run cell after Ctrl-C: the step's futures released while stage 0's program is
+    inside an action, and the same step computed again at once. distributed's worker
+    resumes the released program task for the new submission (its thread goes on, under
+    the old run id); the thread now has the scheduler run it again under the step's new
+    id. Before, the new step got the old run's cancellation and its other program waited
+    for stage 0 until `dagdiff.direct.timeout` (seen as a hang in ~1 of 4 runs of 30-40
+    Ctrl-Cs). Equal to jax.value_and_grad, within the timeout."""
+    params, x, t = data(2)
+    with dask.config.set({"dagdiff.direct.timeout": "20s"}), client2.as_current():
+        loss, grads = dd.value_and_grad(_slow_start_loss, microbatches=2,
+                                        schedule="1f1b")(params, x, t)
+        futures = client2.compute([loss, grads])
+        deadline = time.time() + 30
+        while not any(client2.run(_programs_running).values()) and time.time() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.1)                                # inside the slow action
+        del futures                                    # released, as after a Ctrl-C
+        while not any(client2.run(_programs_cancelled).values()) and time.time() < deadline:
+            time.sleep(0.01)                           # its worker heard of it
+        assert any(client2.run(_programs_cancelled).values())
+        got = client2.compute([loss, grads], sync=True)
+    _check(got, lambda p, x, t: _slow_start_loss(p, x, t, slow=lambda h: h), params, x, t)

@@ -44,7 +44,8 @@ __all__ = ["DONT_REPLY", "merge_and_deserialize", "serialize_numpy_ndarray",
            "forget_topic_events",
            "pin_task", "unpin_task", "task_pinned", "amm_policies", "scheduler_delay", "raw_comm",
            "inline_writes", "take_socket", "task_stream_record", "cluster_status_hook",
-           "correct_state", "task_spec", "set_task_spec", "cut_released_lineage", "REQUIRED"]
+           "correct_state", "task_spec", "set_task_spec", "cut_released_lineage", "worker_task",
+           "rescheduled", "REQUIRED"]
 
 #: a handler's return value that tells distributed not to answer on the comm
 DONT_REPLY = Status.dont_reply
@@ -74,6 +75,8 @@ REQUIRED: tuple[tuple[str, str], ...] = (
     ("Comm instance", "deserialize"),
     ("tcp Comm instance", "stream.socket, stream._read_buffer_size (take_socket)"),
     ("Worker instance", "state.tasks[key].dependencies / .dependents / .state"),
+    ("Worker instance", "state.tasks[key].run_spec / .run_id (worker_task)"),
+    ("distributed.worker.Worker", "execute"),        # a Reschedule's stimulus id
     ("distributed.worker_state_machine.WorkerState", "_transitions"),
 )
 
@@ -163,6 +166,24 @@ def set_task_spec(ts: Any, task: Any) -> None:
     """Make a scheduler TaskState run `task` (a ``dask._task_spec`` node with the same key
     and dependencies) from its next dispatch on; only before it leaves "released"."""
     ts.run_spec = task
+
+
+def worker_task(worker: Any, key: Any) -> Any:
+    """The worker's own state of task `key` (``Worker.state.tasks``: its ``run_spec``, the
+    task as the worker was last asked to compute it, and its Dask ``run_id``), or None."""
+    return getattr(getattr(worker, "state", None), "tasks", {}).get(key)
+
+
+#: how the stimulus id of a worker's ``Reschedule`` starts (``Worker.execute``); the
+#: scheduler's transitions of that task back to "waiting" carry it
+RESCHEDULE_STIMULUS = "reschedule-"
+
+
+def rescheduled(stimulus_id: Any) -> bool:
+    """Whether a scheduler transition comes from a task that raised
+    ``distributed.Reschedule`` on its worker (not from a client, a retry or a lost
+    worker)."""
+    return isinstance(stimulus_id, str) and stimulus_id.startswith(RESCHEDULE_STIMULUS)
 
 
 def task_pinned(ts: Any) -> bool:

@@ -23,7 +23,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 from .direct import install
 from .direct.runtime import NONCE_TAKERS, PEER_LOST_OP, stamp_run_nonces
 from .internals import (amm_policies, bound_message_log, client_stream,
-                        cut_released_lineage, pin_task, scheduler_client_stream,
+                        cut_released_lineage, pin_task, rescheduled, scheduler_client_stream,
                         set_task_spec, shorten_interval, stream_comms, task_spec,
                         unpin_task, worker_stream)
 from .live import LiveActions
@@ -151,7 +151,10 @@ class ColocateVJP(SchedulerPlugin):
         """A program task about to run (again): a fresh run id in place of the one its
         graph carries, shared by the programs of its step, which one stimulus (a graph's
         submission, a retry) sends together. It runs at once, with no nonce task."""
-        if stimulus is None or self.scheduler is None:
+        if stimulus is None or self.scheduler is None or rescheduled(stimulus):
+            # its program raised Reschedule: its thread was stale (released and resumed
+            # by its worker under the old id); it runs again under the id it was stamped
+            # with, which the other programs of its step run under
             return
         spec = task_spec(self.scheduler.tasks.get(key))
         func = getattr(spec, "func", None)

@@ -28,12 +28,12 @@ from typing import Any
 
 import dask
 from dask.utils import parse_timedelta
-from distributed import get_worker, secede
+from distributed import Reschedule, get_worker, secede
 from distributed.comm import connect
 from distributed.metrics import time as now
 
 from ...errors import DirectDispatchError
-from ..internals import scheduler_delay
+from ..internals import scheduler_delay, worker_task
 from ..live import ActionReporter
 from .inbox import INBOX_OP, InboxEnds
 from .messages import End, Failure, Message
@@ -284,8 +284,18 @@ class DirectRuntime:
 
     def _run_id(self, key: str) -> Any:
         """The Dask run id of the task `key` executing here (None when unknown)."""
-        ts = getattr(getattr(self.worker, "state", None), "tasks", {}).get(key)
-        return getattr(ts, "run_id", None)
+        return getattr(worker_task(self.worker, key), "run_id", None)
+
+    def resumed(self, key: str, nonce: str) -> bool:
+        """Whether the worker now runs task `key` for a newer submission than the one
+        whose run id `nonce` this thread was started with. A program task released while
+        its thread runs (Ctrl-C, then the same step again) and submitted again before the
+        thread ended is *resumed* by distributed's worker: the thread goes on with its old
+        arguments, and the new run id is only in the task's ``run_spec``; the step's
+        other programs run under the new one."""
+        spec = getattr(worker_task(self.worker, key), "run_spec", None)
+        ids = [a for a in getattr(spec, "args", ()) if type(a) is RunNonce]
+        return bool(ids) and str(ids[0]) != str(nonce)
 
     def close(self) -> None:
         self.transport.close()
@@ -339,6 +349,10 @@ class DirectRuntime:
                 f"but runs on {self.worker.address} (the worker was lost or restarted since, "
                 "and Dask runs the program again on its replacement while the other workers "
                 "already went on). Compute the step again.")
+        if any(self.resumed(k, nonce) for k in (prog.key, task) if k):
+            # released and submitted again before this thread got here: the task runs
+            # again from the scheduler, under the run id its step's programs now share
+            raise Reschedule()
         run = f"{prog.step}/{nonce}"
         st = self._state(run, start=True)
         if st is None:
@@ -356,8 +370,10 @@ class DirectRuntime:
             self._running.pop(prog.key, None)
             self._running.pop(task, None)
             self._finish(run, "failed")
-            raise DirectDispatchError(f"{prog.key} on {prog.where}: the step was cancelled "
-                                      "before this program began")
+            # Dask drops the outcome of a released task; one submitted again meanwhile
+            # (resumed) runs again from the scheduler, under its step's new run id
+            raise Reschedule(f"{prog.key} on {prog.where}: the step was cancelled before "
+                             "this program began")
         with self._lock:
             lost = [a for _, a in prog.members if a in self.lost]
             failed = self._failed.get(nonce)
@@ -433,6 +449,15 @@ class DirectRuntime:
         try:
             exports = st.execute(prog, statics, local, ran, close)
             outcome = "ended"
+        except BaseException as e:
+            if st.abort is None:
+                raise
+            # the step was released while this ran (`cancel`): Dask drops the outcome,
+            # unless the task was submitted again meanwhile and the worker resumed this
+            # thread for it; then it runs again from the scheduler, under the run id the
+            # step's other programs now run under, instead of failing the new step with
+            # the old run's cancellation (its peers waited for it until the timeout)
+            raise Reschedule(str(e)) from e
         finally:
             self.held.pop(prog.key, None)
             self._running.pop(prog.key, None)
