@@ -257,6 +257,55 @@ def test_eqx_model_grads_are_module_shaped_as_filter_value_and_grad(pipeline: An
     assert_same(got, want)
 
 
+class EqxKeyed(eqx.Module):
+    """A block holding a typed PRNG key (for its dropout, say): not a float array."""
+    lin: Any
+    key: Any
+
+    def __init__(self, key: Any) -> None:
+        self.lin = eqx.nn.Linear(D, D, key=key)
+        self.key = jax.random.key(7)
+
+    def __call__(self, x: Any) -> Any:
+        return jnp.tanh(self.lin(x))
+
+
+def test_an_eqx_module_holding_a_typed_key_is_differentiated_and_trained() -> None:
+    """A typed key (``key<fry>``) among an Equinox module's fields is held fixed, as
+    Equinox's filters do; dagdiff failed on it ("Cannot interpret 'key<fry>' as a data
+    type") in `value_and_grad` and `Trainer.init`. Equal to equinox + optax."""
+    model, x, t = EqxKeyed(jax.random.key(0)), rand(1, (8, D)), rand(2, (8, D))
+
+    def loss(m: Any, x: Any, t: Any) -> Any:
+        return mse(dd.layer(eqx.filter_vmap(m), name="keyed")(x), t)
+
+    def ref(m: Any, x: Any, t: Any) -> Any:
+        return jnp.mean((jax.vmap(m)(x) - t) ** 2)
+
+    want_loss, want = eqx.filter_value_and_grad(ref)(model, x, t)
+    got_loss, got = dask.compute(*dd.value_and_grad(loss)(model, x, t))
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+    assert got.key is None
+    assert_same(got.lin, want.lin)
+
+    opt = optax.adam(1e-2)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    opt_state = opt.init(params)
+    for _ in range(2):
+        grads = eqx.filter_grad(ref)(model, x, t)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        model = eqx.apply_updates(model, updates)
+        params = eqx.filter(model, eqx.is_inexact_array)
+    trainer = dd.Trainer(loss, opt)
+    state = trainer.init(EqxKeyed(jax.random.key(0)))
+    for _ in range(2):
+        state, _ = trainer.step(state, x, t)
+    got = trainer.params(state)
+    assert type(got) is EqxKeyed and jax.random.key_data(got.key).tolist() == \
+        jax.random.key_data(jax.random.key(7)).tolist()
+    assert_same(got.lin, model.lin)
+
+
 def test_eqx_sequential_as_one_layer_and_a_module_as_a_plain_layer() -> None:
     keys = jax.random.split(jax.random.key(3), 2)
     seq = eqx.nn.Sequential([eqx.nn.Linear(D, 8, key=keys[0]), eqx.nn.Lambda(jax.nn.relu),

@@ -114,6 +114,29 @@ def test_apply_if_finite_couples_stages_and_is_refused() -> None:
     assert all(not np.any(u) for u in updates)
 
 
+@pytest.mark.parametrize("per_stage", [False, True])
+def test_an_optimizer_state_holding_a_typed_prng_key_trains(per_stage: bool) -> None:
+    """`optax.add_noise` keeps a typed PRNG key (``key<fry>``) in its state: a Trainer's
+    step failed on it ("Cannot interpret 'key<fry>' as a data type", sizing the state),
+    also with ``per_stage_optimizer=True``, which dagdiff's own error for add_noise
+    advises. With no noise (eta 0) it equals optax's sgd; inside `MultiSteps` too."""
+    params, batches = setup()
+    noisy = optax.chain(optax.add_noise(0.0, 0.55, 0), optax.sgd(0.1))
+    opts = [noisy, optax.MultiSteps(noisy, 2)] if per_stage else [optax.MultiSteps(
+        optax.chain(optax.add_noise(0.0, 0.55, 0), optax.sgd(0.1)), 2)]
+    for opt in opts:
+        if not per_stage:                 # one stage: nothing to couple
+            fn, kw = M.mlp_loss, {}
+        else:
+            fn, kw = loss_fn, {"microbatches": 2, "schedule": "1f1b",
+                               "per_stage_optimizer": True}
+        trainer = dd.Trainer(fn, opt, **kw)
+        state, losses = trainer.fit(batches, params=params, progress=False)
+        want, want_losses = reference(params, batches, opt, fn)
+        close(trainer.params(state), want)
+        np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+
+
 def test_an_optimizer_that_couples_stages_is_refused_unless_asked_per_stage() -> None:
     """Regression: dagdiff applies the optimizer to each stage's parameters on its worker,
     so `optax.clip_by_global_norm` clipped each stage by its own norm and the parameters

@@ -29,13 +29,23 @@ from .split import partition
 from .tracer import Trace, Traced, aval_of, home_stages
 
 
-__all__ = ["StageFootprint", "nbytes", "residual_bytes", "carry_bytes", "stage_footprints",
+__all__ = ["StageFootprint", "nbytes", "itemsize", "residual_bytes", "carry_bytes", "stage_footprints",
            "recompute_shares"]
 
 
 def nbytes(aval: Any) -> int:
     """Bytes of one array of `aval`'s shape and dtype."""
-    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+    return int(np.prod(aval.shape, dtype=np.int64)) * itemsize(aval.dtype)
+
+
+def itemsize(dtype: Any) -> int:
+    """Bytes per element of `dtype`, JAX's extended dtypes too (a typed PRNG key's
+    ``key<fry>``, which NumPy cannot read: an optimizer state or an Equinox module can
+    hold one)."""
+    try:
+        return int(np.dtype(dtype).itemsize)
+    except TypeError:
+        return int(getattr(dtype, "itemsize", 0) or 0)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,9 @@ __all__ = ["ModelForm", "lower_args"]
 
 
 def _inexact(x: Any) -> bool:
-    return is_array(x) and bool(jax.dtypes.issubdtype(np.result_type(x.dtype), np.inexact))
+    # jax's issubdtype reads its extended dtypes too (a typed PRNG key, held fixed), where
+    # NumPy's result_type raised "Cannot interpret 'key<fry>' as a data type"
+    return is_array(x) and bool(jax.dtypes.issubdtype(x.dtype, np.inexact))
 
 
 @dataclass(frozen=True, eq=False)

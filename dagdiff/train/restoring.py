@@ -20,6 +20,7 @@ from ..cluster.info import (
     seen_slots,
 )
 from ..cluster.targets import Targets
+from ..core.footprint import nbytes
 from ..core.keys import make_key
 from ..errors import ArgumentError, LostStateError, TrainerError
 from .recovery import ClientCopy, Lineage, Recovery, copy_task, lost_values, restore
@@ -194,8 +195,7 @@ class Restoring:
                 opt = jax.eval_shape(self.optimizer.init, params)
             except Exception:                     # noqa: BLE001 - only an estimate
                 opt = params
-            self._state_bytes = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
-                                    for a in jax.tree_util.tree_leaves((params, opt))
+            self._state_bytes = sum(nbytes(a) for a in jax.tree_util.tree_leaves((params, opt))
                                     if hasattr(a, "shape"))
         return COPY_SHARE * self._state_bytes / COPY_RATE
 

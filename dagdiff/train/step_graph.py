@@ -27,6 +27,7 @@ from ..build import (
 )
 from ..cluster.info import check_open
 from ..cluster.targets import Targets
+from ..core.footprint import nbytes
 from ..core.keys import make_key
 from ..errors import ArgumentError, CheckpointError, LostStateError, TrainerError
 from ..runtime.tasks import mean_task
@@ -313,8 +314,8 @@ class StepGraph:
                 opt = jax.eval_shape(self.optimizer.init, avals)
             except Exception:                     # noqa: BLE001 - only an estimate
                 continue
-            size = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
-                       for a in jax.tree_util.tree_leaves(opt) if hasattr(a, "shape"))
+            size = sum(nbytes(a) for a in jax.tree_util.tree_leaves(opt)
+                       if hasattr(a, "shape"))
             out[model.group_stage[g]] = out.get(model.group_stage[g], 0) + size
         return out
 
