@@ -29,8 +29,9 @@ from ..cluster.info import check_open
 from ..cluster.targets import Targets
 from ..core.footprint import nbytes
 from ..core.keys import make_key
+from ..core.tracer import is_array
 from ..errors import ArgumentError, CheckpointError, LostStateError, TrainerError
-from ..runtime.tasks import mean_task
+from ..runtime.tasks import mean_task, snapshot
 from ..runtime.taskspec import DataNode, Task, TaskRef
 from .allreduce import tree_allreduce
 from .optimizer import ScaledOptimizer, norm_task, sumsq_task, update_task
@@ -206,11 +207,17 @@ class StepGraph:
         same structure and workers, or lowered and kept as one."""
         r_count, m, p = self.replicas, self.microbatches, model.p
         trace = model.model.trace
-        leaves = self._batch_leaves(model, batch)
+        leaves, split = self._batch_leaves(model, batch)
+        # the arguments left out of batch_argnums: every microbatch of every replica
+        # reads them whole (a dropout key, a constant), as dd.value_and_grad does
+        whole = [n for n, s in zip(model.batch_nodes, split) if not s]
         order = [(r, g) for r in range(r_count) for g in range(len(model.groups))]
         tokens = [f"{token[:12]}{r:04x}" for r in range(r_count)]
-        values = {(r, node): shard(x, self.options.batch_axis, r, r_count)
-                  for r in range(r_count) for node, x in zip(model.batch_nodes, leaves)}
+        values = {(r, node): x if not s else shard(x, self.options.batch_axis, r, r_count)
+                  for r in range(r_count)
+                  for node, x, s in zip(model.batch_nodes, leaves, split)}
+        input_keys = {(r, n): make_key("input", trace.nodes[n].path or "x", n, tokens[r])
+                      for r in range(r_count) for n in model.batch_nodes}
         loss_key = make_key("loss", "step", state.step, token)
         placed = dict(state.placed or {})
         binding = None
@@ -223,8 +230,7 @@ class StepGraph:
                     dict(targets.of), dask.config.get("dagdiff", {}),
                     templates.sharing({rg: str(v.key) for rg, v in placed.items()})),
                 values=values, refs=placed,
-                inputs={make_key("input", trace.nodes[n].path or "x", n, tokens[r]): (r, n)
-                        for r in range(r_count) for n in model.batch_nodes},
+                inputs={k: rn for rn, k in input_keys.items()},
                 held={str(v.key): rg for rg, v in placed.items()},
                 rename=lambda keys: {keys[0]: loss_key})
 
@@ -242,14 +248,24 @@ class StepGraph:
                 else:
                     state_refs[(r, g)] = value
 
+            for r in range(r_count):
+                for n in whole:                   # one value for all its microbatches
+                    k = input_keys[(r, n)]
+                    dsk[k] = DataNode(k, snapshot(values[(r, n)]))
+                    h = model.home.get(n)
+                    stage_of[k] = None if h is None else h + r * p
+
             def resident(r: int) -> dict[int, tuple[Any, int]]:
-                return {model.param_nodes[leaf]: (state_refs[(r, g)], pos)
-                        for g, group in enumerate(model.groups)
-                        for pos, leaf in enumerate(group)}
+                out: dict[int, tuple[Any, int]] = {
+                    model.param_nodes[leaf]: (state_refs[(r, g)], pos)
+                    for g, group in enumerate(model.groups) for pos, leaf in enumerate(group)}
+                out.update((n, (input_keys[(r, n)], -1)) for n in whole)
+                return out
 
             pdsk, pstage, priority, parts = lower_replicas(
                 model.model, self.options, targets, self.client, tokens, p=p,
-                batch=lambda r: {n: values[(r, n)] for n in model.batch_nodes},
+                batch=lambda r: {n: values[(r, n)] for n in model.batch_nodes
+                                 if n not in whole},
                 inputs=resident, home=model.home, held=self._opt_bytes(model))
             dsk.update(pdsk)
             stage_of.update(pstage)
@@ -319,12 +335,19 @@ class StepGraph:
             out[model.group_stage[g]] = out.get(model.group_stage[g], 0) + size
         return out
 
-    def _batch_leaves(self, model: "StepModel", batch: Sequence[Any]) -> list[Any]:
-        args = (None, *batch)
-        out = []
-        for i in model.model.batch_argnums:
-            out.extend(x for x in jax.tree_util.tree_leaves(args[i]) if hasattr(x, "shape"))
-        return out
+    def _batch_leaves(self, model: "StepModel", batch: Sequence[Any]
+                      ) -> tuple[list[Any], list[bool]]:
+        """The value of each of the step's batch input nodes (the array leaves of the
+        arguments after the parameters, in the trace's order), and whether it is split
+        into microbatches (its argument is in batch_argnums) or read whole."""
+        leaves: list[Any] = []
+        split: list[bool] = []
+        nums = set(model.model.batch_argnums)
+        for i, arg in enumerate(batch, start=1):
+            xs = [x for x in jax.tree_util.tree_leaves(arg) if is_array(x)]
+            leaves.extend(xs)
+            split.extend([i in nums] * len(xs))
+        return leaves, split
 
 
 def shard(x: Any, axis: int, r: int, n: int) -> Any:
