@@ -308,3 +308,78 @@ def test_a_step_released_mid_program_and_computed_again_at_once(client2: Any) ->
         assert any(client2.run(_programs_cancelled).values())
         got = client2.compute([loss, grads], sync=True)
     _check(got, lambda p, x, t: _slow_start_loss(p, x, t, slow=lambda h: h), params, x, t)
+
+
+_CELL = '''
+import numpy as np
+import jax.numpy as jnp
+import dagdiff as dd
+
+SCALE = 1.0
+FLAGS = {"shift": 0.0}
+
+def _helper(h):
+    return h * SCALE
+
+@dd.layer
+def scaled_dense(p, x):
+    return jnp.tanh(_helper(x @ p["w"] + p["b"]))
+
+def _fwd(x):
+    return np.asarray(x) + FLAGS["shift"], ()
+
+def _bwd(res, ct):
+    return (np.asarray(ct),)
+
+shift = dd.custom_layer(_fwd, _bwd, name="shift", jax_fn=None)
+
+@dd.layer
+def mse(y, t):
+    return jnp.mean((y - t) ** 2)
+
+def loss(ps, x, t):
+    with dd.stage(0):
+        h = shift(scaled_dense(ps[0], x))
+    with dd.stage(1):
+        return mse(scaled_dense(ps[1], h), t)
+'''
+
+
+@pytest.mark.parametrize("where", ["threads", "cluster"])
+def test_a_global_changed_in_a_later_cell_is_seen(where: str, request: Any) -> None:
+    """A notebook cell sets a module global a layer reads (``SCALE = 3.0``; a flag in a
+    dict a NumPy custom rule reads; through a helper function), and the step cell runs
+    again: the step uses the new values, as `jax.value_and_grad` does, in
+    `dd.value_and_grad` and in a Trainer (which traced the model once). The layer's
+    bytes (cloudpickle takes the globals by value) and its compiled form were kept from
+    the first run, on the workers of that cluster and on the client's threads alike."""
+    import types
+
+    import optax
+
+    mod = types.ModuleType("notebook_cell")           # pickled by value, as __main__ is
+    exec(_CELL, mod.__dict__)
+    client = request.getfixturevalue("client2") if where == "cluster" else None
+    params, x, t = data(2)
+    vg = dd.value_and_grad(mod.loss, microbatches=2, schedule="1f1b")
+    trainer = dd.Trainer(mod.loss, optax.sgd(0.1), microbatches=2, schedule="1f1b",
+                         client=client)
+    state = trainer.init(params)
+    want_params = params
+
+    def run() -> Any:
+        if client is None:
+            return dask.compute(*vg(params, x, t), scheduler="threads")
+        with client.as_current():
+            return client.compute(list(vg(params, x, t)), sync=True)
+
+    for scale, shift in [(1.0, 0.0), (3.0, 0.0), (3.0, 0.5)]:
+        mod.SCALE = scale
+        mod.FLAGS["shift"] = shift
+        _check(run(), mod.loss, params, x, t)
+        state, loss = trainer.step(state, x, t)
+        got = float(loss.result() if client is not None else dask.compute(loss)[0])
+        want, g = jax.value_and_grad(mod.loss)(want_params, x, t)
+        want_params = jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, want_params, g)
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+    close(trainer.params(state), want_params)

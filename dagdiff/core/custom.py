@@ -176,12 +176,11 @@ class CustomLayer(Layer):
               else _ByCallback(fwd, bwd, name or getattr(fwd, "__name__", "custom")))
         super().__init__(fn, name=name or getattr(fwd, "__name__", "custom"), stage=stage)
 
-    @property
-    def fingerprint(self) -> str:
-        if self._fingerprint is None:
-            self._fingerprint = tokenize(self.fwd_rule, self.bwd_rule, self.name,
-                                         ensure_deterministic=False)
-        return self._fingerprint
+    def functions(self) -> tuple[Any, ...]:
+        return (self.fwd_rule, self.bwd_rule, self.jax_fn)
+
+    def _base_fingerprint(self) -> str:
+        return tokenize(self.fwd_rule, self.bwd_rule, self.name, ensure_deterministic=False)
 
     def __repr__(self) -> str:
         return f"dd.custom_layer({self.name})"

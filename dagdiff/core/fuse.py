@@ -35,6 +35,10 @@ class Segment:
             vals.append(jax.tree_util.tree_leaves(call(dyn)))
         return tuple(vals[s][leaf] for s, leaf in self.outputs)
 
+    def functions(self) -> tuple[Any, ...]:
+        """The functions of its layers (what `byvalue.reads` looks into)."""
+        return tuple(f for spec, _ in self.steps for f in spec.layer.functions())
+
     def __dask_tokenize__(self) -> Any:
         return ("dagdiff.Segment", tuple((s.fingerprint, r) for s, r in self.steps),
                 self.outputs)

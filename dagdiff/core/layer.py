@@ -8,7 +8,7 @@ import jax
 from dask.base import tokenize
 
 from ..errors import ArgumentError
-from .byvalue import payload, revive
+from .byvalue import payload, portable, reads, revive
 from .keys import sanitize
 from .stage import check_stage
 from .tracer import call_layer
@@ -42,12 +42,24 @@ class Layer:
         functools.update_wrapper(self, fn, updated=())
         self._fingerprint: str | None = None
 
+    def functions(self) -> tuple[Any, ...]:
+        """The functions this layer runs (what `byvalue.reads` looks into); a fused run's
+        (`fuse.Segment`) are its layers'."""
+        inner = getattr(self.fn, "functions", None)
+        return inner() if callable(inner) else (self.fn,)
+
+    def _base_fingerprint(self) -> str:
+        return tokenize(self.fn, self.name, self.remat, ensure_deterministic=False)
+
     @property
     def fingerprint(self) -> str:
-        """A stable hash of the function (code, closure, defaults), for worker-side jit caches."""
+        """A stable hash of the function (code, closure, defaults) and of the plain values
+        it reads from its module (`byvalue.reads`: a global changed in a later notebook
+        cell makes another fingerprint), for worker-side jit caches."""
         if self._fingerprint is None:
-            self._fingerprint = tokenize(self.fn, self.name, self.remat, ensure_deterministic=False)
-        return self._fingerprint
+            self._fingerprint = self._base_fingerprint()
+        extra = portable(reads(self.functions()))
+        return f"{self._fingerprint}-{extra}" if extra else self._fingerprint
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return call_layer(self, args, kwargs)
@@ -134,8 +146,9 @@ def register_maker(make: Callable[[Any, str | None, bool, int | None], "Layer | 
 
 
 def _ident(layer: Layer) -> tuple[Any, ...]:
-    """What a layer's pickled bytes depend on."""
-    return (id(layer.fn), layer.name, layer.remat, layer.stage)
+    """What a layer's pickled bytes depend on: its function, and what the function reads
+    that cloudpickle takes with it (a notebook's globals; `byvalue.reads`)."""
+    return (id(layer.fn), layer.name, layer.remat, layer.stage, reads(layer.functions()))
 
 
 def _make(state: tuple[type, dict[str, Any]]) -> Layer:

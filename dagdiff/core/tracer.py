@@ -304,7 +304,9 @@ def _infer(layer: Layer, treedef: Any, leaves: Sequence[Any], stage: int | None)
             sig.append(("c", a.shape, a.dtype, False))
         else:
             sig.append(("s", type(x), x))
-    key = (id(layer), layer.fn, treedef, tuple(sig))
+    # the fingerprint: a global the layer reads, changed in a later notebook cell, makes
+    # another spec (and compiled function), as the client's own trace sees it
+    key = (id(layer), layer.fn, layer.fingerprint, treedef, tuple(sig))
     try:
         hit = _INFER_CACHE.get(key)
     except TypeError:  # an unhashable static argument

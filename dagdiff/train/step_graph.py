@@ -56,6 +56,13 @@ class StepModel:
     groups: tuple[tuple[int, ...], ...]
     group_stage: list[int]
     p: int
+    #: (layer, its fingerprint when traced) of each layer call: a global a layer reads,
+    #: changed since (a later notebook cell), makes the Trainer trace the model again
+    prints: tuple[tuple[Any, str], ...] = ()
+
+    def stale(self) -> bool:
+        """Whether a layer of the model reads other values than when it was traced."""
+        return any(layer.fingerprint != fp for layer, fp in self.prints)
 
 
 @dataclass(frozen=True)

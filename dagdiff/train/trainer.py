@@ -318,8 +318,9 @@ class Trainer(StepGraph, Restoring):
         """Trace once per batch signature: the model and its parameter groups (stages)."""
         r, m = self.replicas, self.microbatches
         key = self._batch_key(batch)
-        if key in self._cache:
-            return self._cache[key]
+        hit = self._cache.get(key)
+        if hit is not None and not hit.stale():
+            return hit
         if self._treedef is None:
             raise TrainerError(NOT_INITIALIZED)
         pavals = jax.tree_util.tree_unflatten(self._treedef, [
@@ -345,9 +346,12 @@ class Trainer(StepGraph, Restoring):
                 group_of_stage[st] = len(groups)
                 groups.append([])
             groups[group_of_stage[st]].append(i)
+        prints = {id(n.spec.layer): (n.spec.layer, n.spec.layer.fingerprint)
+                  for n in model.trace.nodes if n.kind == "call"}
         out = StepModel(model, home, [n.index for n in param_nodes],
                      [n.index for n in batch_nodes], tuple(tuple(g) for g in groups),
-                     [st for st, _ in sorted(group_of_stage.items(), key=lambda kv: kv[1])], p)
+                     [st for st, _ in sorted(group_of_stage.items(), key=lambda kv: kv[1])], p,
+                     tuple(prints.values()))
         if out.groups not in self._checked:
             check_per_stage(self.optimizer, self._template, out.groups, out.group_stage,
                             compare=not self.per_stage_optimizer)
