@@ -134,6 +134,13 @@ def grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool
         out, grads = vg(*args, **kwargs)
         return (grads, out[1]) if has_aux else grads
 
+    def compute(*args: Any, retries: int = 2, client: Any = None, **kwargs: Any) -> Any:
+        """As `value_and_grad`'s ``compute``: the gradients (``(grads, aux)``) as values."""
+        out, grads = vg.compute(*args, retries=retries, client=client,  # type: ignore
+                                **kwargs)
+        return (grads, out[1]) if has_aux else grads
+
+    wrapped.compute = compute  # type: ignore[attr-defined]
     return wrapped
 
 

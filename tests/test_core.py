@@ -127,6 +127,13 @@ def test_grad_matches_jax_grad() -> None:
     x, t = rand(1, (4, 3)), rand(2, (4, 2))
     (g,) = dask.compute(dd.grad(M.mlp_loss)(params, x, t), scheduler="sync")
     assert_tree_close(g, jax.grad(M.mlp_loss)(params, x, t))
+    # `compute` as value_and_grad's (the README: "same options"; it had none)
+    assert_tree_close(dd.grad(M.mlp_loss).compute(params, x, t),
+                      jax.grad(M.mlp_loss)(params, x, t))
+    aux_fn = lambda p, x, t: (M.mlp_loss(p, x, t), {"n": 3})      # noqa: E731
+    g, aux = dd.grad(aux_fn, has_aux=True).compute(params, x, t)
+    assert aux == {"n": 3}
+    assert_tree_close(g, jax.grad(M.mlp_loss)(params, x, t))
 
 
 def test_remat_layer_same_grads(compute: Any) -> None:

@@ -270,6 +270,27 @@ def test_a_missing_or_corrupt_checkpoint_is_named(tmp_path: Any) -> None:
     assert "ckpt" in str(e.value) and isinstance(e.value, ValueError)
 
 
+def test_save_does_not_overwrite_what_is_not_a_checkpoint(tmp_path: Any) -> None:
+    """`dd.save` to a path holding a file, or a directory of other files, is refused with
+    the path named (orbax's overwrite deleted them); saving again to a checkpoint's own
+    path replaces it, and loads back."""
+    params, x, t = data()
+    tr = dd.Trainer(loss_fn, optax.sgd(0.1))
+    state = tr.init(params)
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(dd.CheckpointError, match="notes.txt.*is a file"):
+        dd.save(str(tmp_path / "notes.txt"), state, tr)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    with pytest.raises(dd.CheckpointError, match="holds other files") as e:
+        dd.save(str(tmp_path), state, tr)
+    assert isinstance(e.value, ValueError) and (tmp_path / "notes.txt").exists()
+    (tmp_path / "empty").mkdir()
+    dd.save(str(tmp_path / "empty"), state, tr)              # an empty directory is fine
+    state, _ = tr.step(state, x, t)
+    dd.save(str(tmp_path / "empty"), state, tr)              # a checkpoint saved again
+    assert dd.load(str(tmp_path / "empty")).step == 1
+
+
 @pytest.mark.distributed
 def test_a_step_on_a_closed_client_says_so(client2: Any) -> None:
     from distributed import Client
@@ -279,7 +300,8 @@ def test_a_step_on_a_closed_client_says_so(client2: Any) -> None:
     tr = dd.Trainer(loss_fn, optax.sgd(0.1), microbatches=2, schedule="1f1b", client=other)
     state = tr.init(params)
     other.close()
-    with pytest.raises(dd.ClientClosedError, match="is closed: make a new one"):
+    with pytest.raises(dd.ClientClosedError,
+                       match="(?s)is closed: make a new one.*a dd.Trainer keeps the client"):
         tr.step(state, x, t)
     with pytest.raises(dd.ClientClosedError, match="is closed"):
         with other.as_current():

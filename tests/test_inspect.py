@@ -407,6 +407,8 @@ def test_bubble_fraction_takes_the_names_rec_workers_gives() -> None:
     assert per["slot0"] == 0.75 and "tcp://a:1" in per and "tcp://c:3" not in per
     with pytest.raises(KeyError):
         per["tcp://c:3"]
+    assert [per.get(w) for w in rec.workers] == [0.75, 0.0]     # .get as [] (was None)
+    assert per.get("tcp://c:3") is None and per.get("tcp://c:3", 1.0) == 1.0
     import pickle
     again = pickle.loads(pickle.dumps(per))
     assert again == per and again["tcp://b:2"] == 0.0

@@ -55,8 +55,10 @@ def check_open(client: Any) -> None:
                                            and getattr(client, "scheduler", 1) is None):
         raise ClientClosedError(
             f"the distributed Client {getattr(client, 'id', '')} is {status}: make a new one "
-            "(client = distributed.Client(cluster)) and use it (dd.Trainer(..., client=client), "
-            "or `with client.as_current():`), or compute without a client on local threads")
+            "(client = distributed.Client(cluster)) and use it: a dd.Trainer keeps the client "
+            "it was made with (make the Trainer again with client=client, and go on from "
+            "trainer.init or dd.load); a step takes the current one (`with "
+            "client.as_current():`); or compute without a client on local threads")
 
 
 def workers_info(client: Any, cached: bool = False) -> dict[str, Any]:

@@ -62,6 +62,12 @@ class ByWorker(dict):  # type: ignore[type-arg]
         return super().__contains__(key) or (
             isinstance(key, str) and super().__contains__(self._names.get(key, key)))
 
+    def get(self, key: Any, default: Any = None) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
 
 class BubbleFraction(NamedTuple):
     """Idle share of the recorded window: overall and per worker (0 = always busy),

@@ -32,7 +32,25 @@ def save(path: str, state: TrainState, trainer: Trainer | None = None) -> None:
             "opt": [[np.asarray(x) for x in g] for g in opt_leaves],
             "groups": [list(g) for g in state.groups or ()],
             "step": int(state.step)}
-    ocp.PyTreeCheckpointer().save(os.path.abspath(path), tree, force=True)
+    where = os.path.abspath(path)
+    _check_target(where)
+    ocp.PyTreeCheckpointer().save(where, tree, force=True)
+
+
+def _check_target(where: str) -> None:
+    """Refuse to overwrite what is not a checkpoint: orbax's ``force=True`` (a checkpoint
+    saved again to its path) deletes whatever is there first, a file or a directory of
+    the user's own."""
+    if not os.path.lexists(where):
+        return
+    if not os.path.isdir(where):
+        raise CheckpointError(f"dd.save: {where!r} is a file, not a checkpoint directory; "
+                              "give a new path (dd.save writes a directory), or remove it")
+    if os.listdir(where) and not os.path.exists(os.path.join(where, "_METADATA")):
+        raise CheckpointError(
+            f"dd.save: {where!r} is a directory that holds other files than a checkpoint "
+            "(saving there would delete them); give a new path, e.g. "
+            f"{os.path.join(where, 'checkpoint')!r}")
 
 
 def load(path: str) -> TrainState:
