@@ -29,7 +29,8 @@ from .split import partition
 from .tracer import Trace, Traced, aval_of, home_stages
 
 
-__all__ = ["StageFootprint", "nbytes", "itemsize", "residual_bytes", "carry_bytes", "stage_footprints",
+__all__ = ["StageFootprint", "nbytes", "itemsize", "residual_bytes", "carry_bytes",
+           "stage_footprints",
            "recompute_shares"]
 
 
