@@ -783,9 +783,9 @@ def test_params_of_a_state_lost_with_its_copies_makes_it_again(cluster_client: A
     """A step loop's newest state and its copies lost together (the worker killed before
     the copies landed; here the copies are cancelled and dropped so it always happens):
     `trainer.params` makes the state again through its lineage, as `recover` does,
-    instead of raising `LostStateError`, and equals plain JAX + optax; so does a next `step` from it, in the
-    README's loop, and a `fit` from it (they raised `LostStateError`, also after a Ctrl-C
-    in `fit` and a worker lost; `fit`'s did when its first step was built for the lost
+    instead of raising `LostStateError`, and equals plain JAX + optax; so does a next
+    `step` from it, in the README's loop, and a `fit` from it (they raised
+    `LostStateError`, also after a Ctrl-C in `fit` and a worker lost; `fit`'s did when its first step was built for the lost
     worker: its recovery had no copy of `state` to go back to, and now goes back through
     `state`'s lineage)."""
     client = cluster_client

@@ -30,8 +30,7 @@ from .tracer import Trace, Traced, aval_of, home_stages
 
 
 __all__ = ["StageFootprint", "nbytes", "itemsize", "residual_bytes", "carry_bytes",
-           "stage_footprints",
-           "recompute_shares"]
+           "stage_footprints", "recompute_shares"]
 
 
 def nbytes(aval: Any) -> int:
