@@ -785,9 +785,9 @@ def test_params_of_a_state_lost_with_its_copies_makes_it_again(cluster_client: A
     `trainer.params` makes the state again through its lineage, as `recover` does,
     instead of raising `LostStateError`, and equals plain JAX + optax; so does a next
     `step` from it, in the README's loop, and a `fit` from it (they raised
-    `LostStateError`, also after a Ctrl-C in `fit` and a worker lost; `fit`'s did when its first step was built for the lost
-    worker: its recovery had no copy of `state` to go back to, and now goes back through
-    `state`'s lineage)."""
+    `LostStateError`, also after a Ctrl-C in `fit` and a worker lost; `fit`'s did when
+    its first step was built for the lost worker: its recovery had no copy of `state` to
+    go back to, and now goes back through `state`'s lineage)."""
     client = cluster_client
     opt = optax.sgd(0.05)
     params, batches = make_data(3)
