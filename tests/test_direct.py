@@ -352,6 +352,103 @@ def test_computing_only_the_grads_runs_the_whole_step(client2: Any) -> None:
     close(got, jax.grad(loss_fn)(params, x, t))
 
 
+def _dependencies(keys: list[str], dask_scheduler: Any = None) -> dict[str, list[str]]:
+    return {k: sorted(str(d.key) for d in dask_scheduler.tasks[k].dependencies)
+            for k in keys if k in dask_scheduler.tasks}
+
+
+def _programs_of(delayed: Any) -> list[str]:
+    return sorted(k for k in delayed.dask if str(k).startswith("prog"))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["client.compute", "dask.compute", "persist"])
+def test_outputs_computed_together_wait_for_their_own_program_alone(client2: Any,
+                                                                    how: str) -> None:
+    """A step's loss and gradient leaves computed in one call: each waits for its own
+    worker's program only (no fetch of the other program's stub); one computed alone
+    waits for every program, so that computing it runs the whole step."""
+    loss_fn = make_loss(2)
+    params, x, t = data(2)
+    with client2.as_current():
+        loss, grads = dd.value_and_grad(loss_fn, microbatches=4, schedule="1f1b")(
+            params, x, t)
+        leaves = jax.tree_util.tree_leaves(grads)
+        keys = [d.key for d in (loss, *leaves)]
+        progs = _programs_of(loss)
+        assert len(progs) == 2
+        if how == "client.compute":
+            futures = client2.compute([loss, *leaves])
+            got = client2.gather(futures)
+        elif how == "persist":
+            futures = client2.persist([loss, *leaves])
+            got = dask.compute(*futures)
+        else:
+            got = dask.compute(loss, *leaves)
+            # another step's loss alone: it waits for both programs
+            alone, _ = dd.value_and_grad(loss_fn, microbatches=4, schedule="1f1b")(
+                params, 2 * x, t)
+            futures = [client2.compute(alone)]
+            keys, progs = [alone.key], _programs_of(alone)
+            futures[0].result()
+        deps = client2.run_on_scheduler(_dependencies, keys)
+    want_l, want_g = jax.value_and_grad(loss_fn)(params, x, t)
+    np.testing.assert_allclose(got[0], want_l, rtol=1e-5)
+    close(got[1:], jax.tree_util.tree_leaves(want_g))
+    if how == "dask.compute":
+        assert deps == {keys[0]: progs}
+        np.testing.assert_allclose(futures[0].result(), loss_fn(params, 2 * x, t), rtol=1e-5)
+    else:
+        assert all(len(d) == 1 and d[0] in progs for d in deps.values()), deps
+        assert {d[0] for d in deps.values()} == set(progs)
+    del futures
+
+
+def _dense_then_loss(params: Any, x: Any, t: Any) -> Any:
+    from tests.models import dense, mse
+
+    with dd.stage(0):
+        h = dense(params[0], x)
+    with dd.stage(1):
+        return mse(h, t)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("holder", ["same client", "another client"])
+def test_an_output_held_already_does_not_leave_its_program_out(client2: Any,
+                                                               holder: str) -> None:
+    """The loss is the only output of stage 1's worker and a client holds its Future:
+    computing it with the gradients must still run stage 1's program (the gradients wait
+    for it), not leave stage 0's waiting for it until the timeout."""
+    from distributed import Client
+
+    params, x, t = data(1)
+    other = Client(client2.scheduler.address, set_as_default=False) \
+        if holder == "another client" else client2
+    try:
+        with client2.as_current(), dask.config.set({"dagdiff.direct.timeout": "30s"}):
+            loss, grads = dd.value_and_grad(_dense_then_loss, microbatches=2,
+                                            schedule="1f1b")(params, x, t)
+            held = other.compute(loss)
+            first = held.result()
+            leaves = jax.tree_util.tree_leaves(grads)
+            t0 = time.monotonic()
+            got = client2.gather(client2.compute([loss, *leaves]))
+            assert time.monotonic() - t0 < 20
+            deps = client2.run_on_scheduler(_dependencies, [d.key for d in leaves])
+        assert all(len(d) == 2 for d in deps.values()), deps
+        want_l, want_g = jax.value_and_grad(_dense_then_loss)(params, x, t)
+        np.testing.assert_allclose(first, want_l, rtol=1e-5)
+        np.testing.assert_allclose(got[0], want_l, rtol=1e-5)
+        close(got[1:], jax.tree_util.tree_leaves(want_g))
+        del held
+    finally:
+        if other is not client2:
+            other.close()
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_trainer_steps_in_flight_with_dropped_losses_match_scheduler_dispatch(

@@ -1,20 +1,80 @@
-"""`DelayedTree`: a pytree with Delayed leaves as one Dask collection, so `dask.compute`
-gives it back in its own type (an `nnx.State`, an Equinox module), which Dask cannot
-walk into by itself."""
+"""The Dask collections a step's outputs are: `StepDelayed` (a Delayed whose outputs
+computed together wait for their own worker's program alone) and `DelayedTree` (a pytree
+with Delayed leaves as one collection, so `dask.compute` gives it back in its own type:
+an `nnx.State`, an Equinox module, which Dask cannot walk into by itself)."""
 from __future__ import annotations
 
+import collections
 from typing import Any, Callable, Sequence
 
 import dask
 import jax
 from dask.base import DaskMethodsMixin
 from dask.delayed import Delayed
-from dask.highlevelgraph import HighLevelGraph
+from dask.core import flatten
+from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
 from ..errors import ArgumentError
+from ..runtime.direct.graph import own_output, own_outputs
+from ..runtime.plugins import known_keys
 
 
-__all__ = ["DelayedTree", "needs_collection"]
+__all__ = ["StepDelayed", "DelayedTree", "needs_collection", "optimize", "OWN_OUTPUTS_KEY"]
+
+#: dask config key: outputs of a step computed together wait for their own program alone
+OWN_OUTPUTS_KEY = "dagdiff.direct.own-outputs"
+
+
+#: output keys last submitted waiting for their own program alone (`optimize`), newest
+#: last: a key the scheduler still has keeps that form when computed again (it warns of
+#: a key submitted again with other dependencies)
+_OWN_FORM: collections.OrderedDict[str, None] = collections.OrderedDict()
+_OWN_FORM_SIZE = 4096
+
+
+def optimize(dsk: Any, keys: Any, **kwargs: Any) -> Any:
+    """Dask's low-level optimization of step outputs computed in one call (`dask.compute`,
+    `Client.compute`, `persist`: Dask hands every collection of one optimizer the keys of
+    all of them at once; distributed materializes the graph on its scheduler):
+    Delayed's (cull), then, in each direct-dispatch layer, the outputs that may wait for
+    their own worker's program alone do (`dagdiff.runtime.direct.graph.own_outputs`: a
+    fresh run of their step, whose programs all run anyway), unless dask config
+    ``dagdiff.direct.own-outputs`` is False or no scheduler runs in this process. A key
+    the scheduler still has keeps the form it was submitted in."""
+    graph = Delayed.__dask_optimize__(dsk, keys, **kwargs)
+    if not dask.config.get(OWN_OUTPUTS_KEY, True) or not isinstance(graph, HighLevelGraph):
+        return graph
+    wanted = [k for k in flatten(keys) if isinstance(k, str)]
+    layers, changed = dict(graph.layers), False
+    for name, layer in graph.layers.items():
+        mapping = dict(layer)
+        known = known_keys(mapping)
+        if known is None:
+            return graph
+        mine = own_outputs(mapping, [k for k in wanted if k in mapping], known)
+        for k in known & _OWN_FORM.keys():
+            if (t := own_output(mapping, k)) is not None:
+                mine[k] = t
+        if mine:
+            for k in mine:
+                _OWN_FORM[k] = None
+                _OWN_FORM.move_to_end(k)
+            while len(_OWN_FORM) > _OWN_FORM_SIZE:
+                _OWN_FORM.popitem(last=False)
+            mapping.update(mine)
+            layers[name] = MaterializedLayer(mapping, annotations=layer.annotations)
+            changed = True
+    return HighLevelGraph(layers, graph.dependencies) if changed else graph
+
+
+class StepDelayed(Delayed):
+    """A step output as a Delayed (`dd.value_and_grad`'s loss and gradient leaves): as
+    Dask's, with `optimize` as its optimization, so the outputs of a step computed together
+    skip a hop through the scheduler and a transfer each."""
+
+    __slots__ = ()
+
+    __dask_optimize__ = staticmethod(optimize)
 
 
 def needs_collection(tree: Any) -> bool:
@@ -72,9 +132,7 @@ class DelayedTree(DaskMethodsMixin):
 
     __dask_scheduler__ = staticmethod(dask.threaded.get)
 
-    @staticmethod
-    def __dask_optimize__(dsk: Any, keys: Any, **kwargs: Any) -> Any:
-        return Delayed.__dask_optimize__(dsk, keys, **kwargs)
+    __dask_optimize__ = staticmethod(optimize)   # the same as its leaves': one group
 
     def __dask_postcompute__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         return _finish, (self._skeleton,)

@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 import jax
-from dask.delayed import Delayed
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
 from ..cluster.targets import Targets, annotations_for
 from ..runtime.direct import RESOURCE_SHARE, DirectGraph, rewrite
+from .collection import StepDelayed
 
 
 __all__ = ["OutKey", "to_delayed", "submit", "assemble", "assemble_direct", "direct_layer",
@@ -21,14 +21,15 @@ class OutKey(str):
 
 
 def to_delayed(graph: HighLevelGraph, keys: Any) -> Any:
-    """Wrap the `OutKey` leaves of a pytree as Delayed objects sharing one graph."""
+    """Wrap the `OutKey` leaves of a pytree as Delayed objects sharing one graph
+    (`StepDelayed`: computed together, each waits for its own worker's program alone)."""
     layers = list(graph.layers)
 
     def wrap(k: Any) -> Any:
         if not isinstance(k, OutKey):
             return k
         name = next((n for n in layers if k in graph.layers[n]), layers[0])
-        return Delayed(str(k), graph, layer=name)
+        return StepDelayed(str(k), graph, layer=name)
 
     return jax.tree_util.tree_map(wrap, keys, is_leaf=lambda x: x is None)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any
+from typing import Any, Iterable
 
 import dask
 from dask.utils import parse_timedelta
@@ -32,7 +32,7 @@ from .tasks import pullback_of
 from .worker_jax import configure_worker_jax
 
 
-__all__ = ["ColocateVJP", "ensure_colocation", "MEMBERSHIP_TOPIC", "is_registered",
+__all__ = ["ColocateVJP", "ensure_colocation", "MEMBERSHIP_TOPIC", "is_registered", "known_keys",
            "MEMORY_METRIC", "memory_enforced",
            "memory_enforced_here"]
 
@@ -51,6 +51,19 @@ def _latency() -> float | None:
 
 
 _registered: "weakref.WeakSet[Any]" = weakref.WeakSet()
+#: the schedulers of this process that run dagdiff's plugin (`known_keys`)
+_schedulers: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def known_keys(keys: Iterable[Any]) -> set[Any] | None:
+    """The keys among `keys` that a scheduler of this process has a task of, in any state
+    (computing such a key again keeps that task, and its dependencies, as they are), or
+    None where no scheduler with dagdiff's plugin runs here (a graph materialized
+    elsewhere than on its scheduler)."""
+    schedulers = list(_schedulers)
+    if not schedulers:
+        return None
+    return {k for k in keys if any(k in s.tasks for s in schedulers)}
 
 
 class ColocateVJP(SchedulerPlugin):
@@ -74,6 +87,7 @@ class ColocateVJP(SchedulerPlugin):
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
+        _schedulers.add(scheduler)
         for addr in list(stream_comms(scheduler)):
             self.add_worker(scheduler, addr)
         _keep_forward_replicas(scheduler)

@@ -23,7 +23,7 @@ from .runtime import (NONCE_TAKERS, RunNonce, _timeout, new_nonce, run_program, 
 
 __all__ = ["DirectGraph", "rewrite", "next_base", "RESOURCE_SHARE", "chain_step",
            "Source", "merge_window", "WindowError", "group_outputs", "run_gathered",
-           "push_output", "plain_output"]
+           "push_output", "plain_output", "own_outputs", "own_output"]
 
 log = logging.getLogger(__name__)
 
@@ -457,6 +457,71 @@ def group_outputs(dsk: Mapping[str, Any], keys: Collection[str], nonce: str | No
                                *(TaskRef(r) for r in refs), *flat)
                 takes[gk] = mine[0]
     return new, takes, where, fused
+
+
+def own_outputs(dsk: Mapping[str, Any], keys: Collection[str],
+                known: Collection[str] = ()) -> dict[str, Any]:
+    """The output tasks among `keys` (computed together, from `dsk`, a direct-dispatch
+    step's tasks as `rewrite` made them) that may wait for their own worker's program
+    alone, rewritten so. An output qualifies when the scheduler knows (`known`) neither
+    it nor the programs of its step (a fresh run of the step: its programs start
+    together and end together), and when, for every program it waits for, some output
+    computed here, or another task computed here, waits for it: every program of the
+    step then runs anyway, and the closing exchange makes a program fail when any other
+    does, so an output needs no other program's result. It then runs the moment its own
+    program ends, with no fetch of the other programs' stubs (a Dask transfer each) and
+    no wait for the scheduler to hear of every program's end.
+
+    Returns the rewritten tasks (key -> task); outputs that read another program's
+    result (`Export` with `at`) are left out."""
+    known = set(known)
+    wanted = [k for k in dict.fromkeys(keys) if k not in known]
+
+    def waits_for(key: str) -> list[str]:
+        return [str(r.key) for r in dsk[key].args[2:2 + dsk[key].args[1]]]
+
+    mine = {k: t for k in wanted if (t := own_output(dsk, k)) is not None
+            and not known.intersection(waits_for(k))}
+    while mine:       # drop the outputs of steps whose programs would not all run
+        reached = _computed(wanted, known, lambda k: mine[k] if k in mine else dsk.get(k))
+        short = {k for k in mine if not set(waits_for(k)) <= reached}
+        if not short:
+            break
+        mine = {k: t for k, t in mine.items() if k not in short}
+    return mine
+
+
+def own_output(dsk: Mapping[str, Any], key: str) -> Task | None:
+    """Output task `key` of `dsk` waiting for its own worker's program alone (see
+    `own_outputs`), or None where it is not a plain output task or reads another
+    program's result."""
+    t = dsk.get(key)
+    if not (isinstance(t, Task) and t.func is _output) or t.args[0] < 0:
+        return None
+    n = t.args[1]
+    refs = t.args[2:2 + n]
+    if not all(isinstance(r, TaskRef) and isinstance(p := dsk.get(str(r.key)), Task)
+               and p.func is run_program for r in refs):
+        return None
+    if any(isinstance(a, Export) and a.at >= 0 for a in (*t.args[3 + n:], *t.kwargs.values())):
+        return None
+    return Task(key, _output, 0, 1, refs[t.args[0]], *t.args[2 + n:], **t.kwargs)
+
+
+def _computed(keys: Collection[str], held: Collection[str], task: Any) -> set[str]:
+    """The keys computing `keys` runs (`task(key)`: its task; `held` keys and what only
+    they read do not run)."""
+    seen: set[str] = set()
+    stack = list(keys)
+    while stack:
+        k = stack.pop()
+        if k in seen or k in held:
+            continue
+        seen.add(k)
+        t = task(k)
+        if isinstance(t, Task):
+            stack.extend(str(d) for d in t.dependencies)
+    return seen
 
 
 def run_gathered(task: str, k: int, prog: Program, nonce: str, /, *rest: Any,
