@@ -69,6 +69,50 @@ def test_trainer_local_matches_optax() -> None:
 
 
 
+
+def _one_stage(params: Any, x: Any, t: Any) -> Any:
+    h = x
+    for p in params:
+        h = M.dense(p, h)
+    return M.mse(h, t)
+
+
+def _pipe(stages: int) -> dict[str, Any]:
+    return {"microbatches": 2, "schedule": "1f1b"} if stages == 2 else {}
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_a_mask_reading_the_parameters_paths_is_refused_and_one_of_leaves_trains(
+        stages: int) -> None:
+    """Regression: `optax.adamw(..., mask=f)` with `f` reading the tree's paths (decay
+    weights, not biases) trained as if every leaf were decayed, with no error: dagdiff
+    applies the optimizer to a list of each stage's leaves, where there are no paths.
+    Now refused, naming the leaf and the fix; a mask of each leaf alone (the fix) and
+    `optax.multi_transform` with such labels equal optax on the tree."""
+    params, batches = setup()
+    fn = loss_fn if stages == 2 else _one_stage
+
+    def by_path(p: Any) -> Any:
+        return jax.tree_util.tree_map_with_path(
+            lambda kp, _: not jax.tree_util.keystr(kp).endswith("['b']"), p)
+
+    labels = (lambda p: jax.tree_util.tree_map_with_path(
+        lambda kp, _: "sgd" if jax.tree_util.keystr(kp).endswith("['b']") else "adam", p))
+    for opt in (optax.adamw(1e-2, weight_decay=0.5, mask=by_path),
+                optax.multi_transform({"adam": optax.adam(1e-2), "sgd": optax.sgd(0.0)},
+                                      labels)):
+        trainer = dd.Trainer(fn, opt, **_pipe(stages))
+        state = trainer.init(params)
+        with pytest.raises(dd.OptimizerError, match=r"(?s)place in the tree.*\['b'\].*Fix"):
+            trainer.step(state, *batches[0])
+    opt = optax.adamw(1e-2, weight_decay=0.5,
+                      mask=lambda p: jax.tree_util.tree_map(lambda x: x.ndim > 1, p))
+    want, want_losses = reference(params, batches, opt, fn)
+    trainer = dd.Trainer(fn, opt, **_pipe(stages))
+    state, losses = trainer.fit(batches, params=params, progress=False)
+    close(trainer.params(state), want)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+
 deep_loss = M.staged_loss          # as many layers as the params have
 
 
@@ -240,6 +284,16 @@ def test_an_optimizer_that_couples_stages_is_refused_unless_asked_per_stage() ->
                              per_stage_optimizer=per_stage)
         state = trainer.init(params)
         with pytest.raises(dd.OptimizerError, match="(?s)list of their leaves.*multi_transform"):
+            trainer.step(state, *batches[0])
+
+    # an optimizer whose update needs extra arguments (value=): said so, with a fix
+    from optax import contrib
+
+    for extra, needs in ((contrib.reduce_on_plateau(), "'value'"),
+                         (optax.lbfgs(), "'value', 'grad', 'value_fn'")):
+        trainer = dd.Trainer(loss_fn, extra, microbatches=2, schedule="1f1b")
+        state = trainer.init(params)
+        with pytest.raises(dd.OptimizerError, match=f"(?s)extra argument.*{needs}.*Fix"):
             trainer.step(state, *batches[0])
 
 

@@ -2,6 +2,7 @@
 its jitted step cached per worker process."""
 from __future__ import annotations
 
+import re
 import threading
 from typing import Any, Sequence
 
@@ -105,7 +106,7 @@ _CHECK_SCALES = (1.0, 1e8)
 
 
 def check_per_stage(optimizer: Any, leaves: Sequence[Any], groups: Sequence[Sequence[int]],
-                    stages: Sequence[int], compare: bool = True) -> None:
+                    stages: Sequence[int], compare: bool = True, treedef: Any = None) -> None:
     """Raise `OptimizerError` when `optimizer` applied to each group's parameter leaves
     alone (as a Trainer applies it: a list of the stage's leaves, on the stage's worker)
     gives other updates than applied to all `leaves` at once, over two steps with
@@ -114,23 +115,39 @@ def check_per_stage(optimizer: Any, leaves: Sequence[Any], groups: Sequence[Sequ
     stand-ins of the leaves (each dimension cut to 3, float32, fixed random values), on
     the CPU: it checks the optimizer's math, not the model's sizes. First (and alone with
     ``compare=False``) the optimizer is evaluated abstractly on the real shapes as a list
-    of leaves: one that fails there (keyed on the parameters' tree) raises too."""
+    of leaves: one that fails there (keyed on the parameters' tree) raises too. With the
+    parameters' `treedef`, the optimizer applied to the list of leaves must also give the
+    updates it gives on the tree itself (a mask or label function reading the tree's
+    paths or dict keys sees none in a list, and would apply to every leaf alike)."""
     avals = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves]
     try:                # the real shapes, abstractly: what every stage's update will do
         jax.eval_shape(lambda p: optimizer.update(p, optimizer.init(p), p), avals)
     except Exception as e:                    # noqa: BLE001 - re-raised with the facts
+        extra = _extra_update_args(e)
+        if extra:
+            raise OptimizerError(
+                f"dd.Trainer: the optimizer's update needs the extra argument(s) "
+                f"{', '.join(map(repr, extra))} ({str(e)[:200]}): an optax "
+                "GradientTransformationExtraArgs such as optax.contrib.reduce_on_plateau "
+                "(value=), optax.lbfgs (value=, grad=, value_fn=) or optax.polyak_sgd "
+                "(value=). dd.Trainer calls update(grads, opt_state, params) on each "
+                "stage's worker, with nothing else. Fix: an optimizer whose update needs "
+                "only those, e.g. a learning-rate schedule (optax.schedules) in place of "
+                "reduce_on_plateau, or optax.adam in place of a line search") from e
         raise OptimizerError(
             f"dd.Trainer: the optimizer fails on the model's parameters given as a list of "
             f"their leaves ({type(e).__name__}: {str(e)[:300]}), which is how dagdiff "
             "applies it, to each stage's leaves on the stage's worker. A transform keyed "
             "on the parameters' tree (optax.multi_transform or optax.masked with a label "
             "or mask tree, or a function that reads dict keys) cannot run there: give "
-            "every parameter one optimizer, or a mask function that works on a list of "
-            "arrays (e.g. lambda p: [x.ndim > 1 for x in p])") from e
-    if len(groups) < 2 or not compare:
-        return
+            "every parameter one optimizer, or a mask function of each leaf alone (e.g. "
+            "lambda p: jax.tree_util.tree_map(lambda x: x.ndim > 1, p))") from e
     rng = np.random.default_rng(0)
     cpu = jax.devices("cpu")[0]
+    if treedef is not None and treedef.num_leaves == len(leaves) and len(leaves) > 1:
+        _check_tree(optimizer, leaves, treedef, rng, cpu)
+    if len(groups) < 2 or not compare:
+        return
 
     def stand_in(x: Any) -> Any:
         shape = tuple(min(int(d), 3) for d in np.shape(x))
@@ -190,6 +207,65 @@ def check_per_stage(optimizer: Any, leaves: Sequence[Any], groups: Sequence[Sequ
                             "per_stage_optimizer=True to apply it to each stage's "
                             "parameters alone (a global-norm clip then clips each stage's "
                             "gradients by their own norm)")
+
+
+def _check_tree(optimizer: Any, leaves: Sequence[Any], treedef: Any,
+                rng: np.random.Generator, cpu: Any) -> None:
+    """Raise `OptimizerError` when `optimizer` gives the list of `leaves` other updates
+    than the pytree of them (`treedef`), on small stand-ins (see `check_per_stage`)."""
+    with jax.default_device(cpu):
+        params = [jnp.asarray(rng.standard_normal(tuple(min(int(d), 3) for d in np.shape(x))),
+                              np.float32) for x in leaves]
+        grads = [(jnp.asarray(rng.standard_normal(np.shape(p)), np.float32),
+                  jnp.asarray(rng.standard_normal(np.shape(p)), np.float32)) for p in params]
+        try:
+            as_list = _checked_steps(optimizer, params, grads)
+            as_tree = [np.asarray(u, np.float64) for u in _tree_steps_jit(
+                optimizer, treedef, params, grads)]
+        except Exception:                     # noqa: BLE001 - the real run will say
+            return
+    for i, (a, b) in enumerate(zip(as_list, as_tree)):
+        if not np.allclose(a, b, rtol=1e-4, atol=1e-6, equal_nan=True):
+            path = jax.tree_util.keystr(
+                jax.tree_util.tree_flatten_with_path(
+                    jax.tree_util.tree_unflatten(treedef, list(range(len(leaves)))))[0][i][0])
+            raise OptimizerError(
+                f"dd.Trainer: the optimizer treats the parameters by their place in the "
+                f"tree: its update of parameter leaf {i} ({path}, shape "
+                f"{tuple(np.shape(leaves[i]))}) differs between the parameters' pytree and "
+                "a list of their leaves, which is how dagdiff applies it (each stage's "
+                "leaves on the stage's worker), where it would see no paths or dict keys. "
+                "A mask or label function that reads them does this (optax.adamw(..., "
+                "mask=...) or optax.masked / optax.multi_transform with a function of the "
+                "paths). Fix: a mask of each leaf alone, e.g. mask=lambda p: jax.tree_util."
+                "tree_map(lambda x: x.ndim > 1, p) to decay weight matrices and not biases")
+
+
+def _tree_steps(optimizer: Any, treedef: Any, params: list[Any],
+                grads: list[tuple[Any, Any]]) -> list[Any]:
+    """`_two_steps` on the pytree of the leaves (`treedef`), per leaf as one array."""
+    def tree(xs: Sequence[Any]) -> Any:
+        return jax.tree_util.tree_unflatten(treedef, list(xs))
+
+    p = tree(params)
+    state = optimizer.init(p)
+    first, state = optimizer.update(tree([a for a, _ in grads]), state, p)
+    moved = optax.apply_updates(p, first)
+    second, _ = optimizer.update(tree([b for _, b in grads]), state, moved)
+    return [jnp.concatenate([jnp.ravel(a), jnp.ravel(b)]) for a, b in
+            zip(jax.tree_util.tree_leaves(first), jax.tree_util.tree_leaves(second))]
+
+
+_tree_steps_jit = jax.jit(_tree_steps, static_argnums=(0, 1))
+
+
+def _extra_update_args(error: BaseException) -> list[str]:
+    """The keyword-only arguments an optimizer's update said it misses (`error`: what
+    calling it with (updates, state, params) raised), or []."""
+    text = str(error)
+    if not isinstance(error, TypeError) or "required keyword-only argument" not in text:
+        return []
+    return re.findall(r"'(\w+)'", text.split("argument", 1)[1])
 
 
 def _checked_steps(optimizer: Any, params: list[Any], grads: list[tuple[Any, Any]]

@@ -354,7 +354,7 @@ class Trainer(StepGraph, Restoring):
                      tuple(prints.values()))
         if out.groups not in self._checked:
             check_per_stage(self.optimizer, self._template, out.groups, out.group_stage,
-                            compare=not self.per_stage_optimizer)
+                            compare=not self.per_stage_optimizer, treedef=self._treedef)
             self._checked.add(out.groups)
         self._cache[key] = out
         return out
