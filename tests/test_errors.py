@@ -289,6 +289,12 @@ def test_save_does_not_overwrite_what_is_not_a_checkpoint(tmp_path: Any) -> None
     state, _ = tr.step(state, x, t)
     dd.save(str(tmp_path / "empty"), state, tr)              # a checkpoint saved again
     assert dd.load(str(tmp_path / "empty")).step == 1
+    # not a TrainState (the parameters, the arguments swapped): said, nothing written
+    with pytest.raises(dd.ArgumentError, match="takes a dd.TrainState.*got list"):
+        dd.save(str(tmp_path / "params"), params)
+    with pytest.raises(dd.ArgumentError, match="other way round"):
+        dd.save(state, str(tmp_path / "swapped"))               # type: ignore[arg-type]
+    assert not (tmp_path / "params").exists() and not (tmp_path / "swapped").exists()
 
 
 @pytest.mark.distributed

@@ -125,6 +125,49 @@ def test_a_layer_or_operator_after_the_last_stage_block_runs_on_its_inputs_stage
         dd.value_and_grad(mixed, microbatches=4, schedule="1f1b")(params, x, t)
 
 
+def _aux_of(which: str, step: int) -> Any:
+    """A loss function whose aux holds a string, the step (a Python int argument) and the
+    traced value `which` names; "extra" adds a key."""
+    def fn(params: Any, x: Any, t: Any) -> Any:
+        with dd.stage(0):
+            h0 = M.dense(params[0], x)
+        with dd.stage(1):
+            h1 = M.dense(params[1], h0)
+            aux = {"tag": "run1", "step": step, "h": h1 if which == "h1" else h0}
+            if which == "extra":
+                aux["more"] = "yes"
+            return M.mse(h1, t), aux
+    return fn
+
+
+@pytest.mark.parametrize("where", ["threads", "distributed"])
+def test_aux_literals_and_values_are_each_steps_own(where: str, request: Any) -> None:
+    """Regression: a pipelined step's aux holding a string took it for a Dask key (a bare
+    KeyError, a cancelled step on a cluster), and a step reusing an earlier one's lowering
+    gave that step's numbers and strings, or its traced aux value, instead of its own
+    (one `dd.value_and_grad` over steps that return other aux values; functions of one
+    structure). Each step's aux equals jax's."""
+    params, x, t = data(2)
+    client = request.getfixturevalue("client2") if where == "distributed" else None
+    for i, which in enumerate(["h0", "h1", "h0", "extra"]):
+        fn = _aux_of(which, i)
+        step = dd.value_and_grad(fn, has_aux=True, microbatches=4, schedule="1f1b")
+        if client is None:
+            (loss, aux), grads = dask.compute(*step(params, x, t), scheduler="threads")
+        else:
+            with client.as_current():
+                (loss, aux), grads = dask.compute(*step(params, x, t))
+        (wl, waux), wg = jax.value_and_grad(fn, has_aux=True)(params, x, t)
+        np.testing.assert_allclose(loss, wl, rtol=1e-5)
+        close(grads, wg)
+        assert len(aux) == 4
+        for a in aux:
+            assert {k: v for k, v in a.items() if k != "h"} == \
+                {k: v for k, v in waux.items() if k != "h"}
+        np.testing.assert_allclose(np.concatenate([a["h"] for a in aux]), waux["h"],
+                                   rtol=1e-5, atol=1e-6)
+
+
 def test_batch_axis_and_aux() -> None:
     params, x, t = data(2)
 

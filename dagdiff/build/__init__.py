@@ -155,6 +155,29 @@ class Build:
         return ((lk, ak) if self.options.has_aux else lk), grads
 
 
+def _returned(model: Model) -> tuple[Any, ...]:
+    """Which traced values a step returns: its loss, and per aux leaf its value or the
+    place of a literal (part of a template key: a template keeps the keys of the values
+    it returned)."""
+    leaves, treedef = jax.tree_util.tree_flatten(model.aux)
+    return ((model.loss.node, model.loss.leaf), str(treedef),
+            tuple((v.node, v.leaf) if isinstance(v, Traced) else None for v in leaves))
+
+
+def _aux_outputs(aux_keys: Sequence[Any], aux: Any) -> list[Any]:
+    """A pipelined step's aux (one tree per microbatch, shaped as the traced `aux`): the
+    key of each traced value as an `OutKey`, and every other leaf (a string, a number
+    the loss function returned) this trace's own, not one a reused template kept from
+    the step it was lowered for, nor a string taken for a key."""
+    leaves, treedef = jax.tree_util.tree_flatten(aux)
+    out = []
+    for tree in aux_keys:
+        keys = treedef.flatten_up_to(tree)
+        out.append(treedef.unflatten([OutKey(k) if isinstance(v, Traced) else v
+                                      for k, v in zip(keys, leaves)]))
+    return out
+
+
 def _user_form(grads: Any, form: ModelForm | None, delayed: bool = True) -> Any:
     """One argument's gradients as the user gave the argument: a module's in its library's
     form; with Delayed leaves, pytrees Dask cannot walk into (modules, registered
@@ -346,7 +369,7 @@ def build(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
                 templates.template_key(
                     trace, inputs, options.token(), tuple(sorted(model.batch)), mode,
                     program_homes(mode, targets), dict(targets.of),
-                    dask.config.get("dagdiff", {}),
+                    dask.config.get("dagdiff", {}), _returned(model),
                     templates.sharing({n: _key_of(v[0]) for n, v in inputs.items()})),
                 values=model.batch, refs={n: v[0] for n, v in inputs.items()},
                 inputs={make_key("input", trace.nodes[i].path or "x", i, token): i
@@ -358,17 +381,16 @@ def build(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
                 model, options, targets, client, [token], p=trace.num_stages or 1,
                 batch=lambda r: model.batch, inputs=lambda r: inputs, home=home,
                 aux=model.aux, devices=devices)
-            keys = (OutKey(pg.loss_key),
-                    jax.tree_util.tree_map(lambda k: OutKey(k) if isinstance(k, str) else k,
-                                           pg.aux_keys),
+            keys = (OutKey(pg.loss_key), _aux_outputs(pg.aux_keys, model.aux),
                     grad_keys(pg.grad_keys))
             outs = frozenset(k for k in jax.tree_util.tree_leaves(keys)
                              if isinstance(k, OutKey))
             return StepTasks(dsk, stage_of, priority, keys, outs)
 
-        graph, keys = compile_step(token, targets, direct, binding, lowered)
+        graph, (lk, ak, gk) = compile_step(token, targets, direct, binding, lowered)
         freeze_heap(client)
-        return Build(model, options, targets, graph, keys, token, mode)
+        return Build(model, options, targets, graph, (lk, _aux_outputs(ak, model.aux), gk),
+                     token, mode)
     low = lower(trace, model.plan, token, inputs=inputs, devices=devices,
                 fuse_seeded=True)
     keys = (OutKey(select(low, trace, model.loss, "loss", token)),

@@ -14,9 +14,21 @@ from .trainer import Trainer, TrainState
 __all__ = ["save", "load"]
 
 
-def save(path: str, state: TrainState, trainer: Trainer | None = None) -> None:
+def save(path: str | os.PathLike[str], state: TrainState,
+         trainer: Trainer | None = None) -> None:
     """Write params, optimizer state and step with orbax-checkpoint (a directory; needs
     the ``checkpoint`` extra)."""
+    if not isinstance(state, TrainState):
+        swapped = isinstance(path, TrainState)
+        raise ArgumentError(
+            f"dd.save(path, state) takes a dd.TrainState (from trainer.init, step or fit) "
+            f"as its state, got {type(state).__name__}"
+            + ("; the arguments are the other way round: dd.save(path, state)" if swapped
+               else "; to save a model's parameters, train them with a dd.Trainer, or "
+               "save them with orbax or numpy directly"))
+    if not isinstance(path, (str, os.PathLike)):
+        raise ArgumentError(f"dd.save(path, state): path must be a str or os.PathLike, got "
+                            f"{type(path).__name__}")
     ocp = require("orbax.checkpoint", "dd.save")
 
     trainer = trainer if trainer is not None else state.trainer
