@@ -303,6 +303,23 @@ def real_profile(client2: Any) -> dd.Profile:
     return dd.profile(staged_loss, microbatches=4, client=client2, steps=5)(params, x, t)
 
 
+@pytest.mark.distributed
+def test_a_profile_that_measured_no_hop_says_so(client2: Any, monkeypatch: Any) -> None:
+    """A profile in which no action was seen waiting for another worker's value (the
+    workers' clocks disagreeing by more than a hop: 2 of 8 profiles of a small model here)
+    has hop_latency 0, which dd.predict takes as free hops: it warns, saying how to set
+    the hop."""
+    from dagdiff.plan import costs
+
+    monkeypatch.setattr(costs, "hop_samples", lambda *a, **k: [])
+    params = M.init_dense(KEY, [8] * 3)
+    x = jax.random.normal(KEY, (8, 8))
+    with pytest.warns(RuntimeWarning, match="(?s)no hop between workers.*hop_latency"):
+        prof = dd.profile(staged_loss, microbatches=2, client=client2, steps=1,
+                          schedules=("1f1b",))(params, x, x)
+    assert prof.hop_samples == 0 and prof.hop_latency == 0.0
+
+
 def test_profile_of_a_real_step(real_profile: dd.Profile) -> None:
     prof = real_profile
     assert prof.num_stages == 2 and prof.workers == 2 and prof.microbatches == 4

@@ -5,6 +5,7 @@ way they are shown: `stage_costs`."""
 from __future__ import annotations
 
 import statistics
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -271,6 +272,15 @@ class Profile:
         layers = _layer_costs(raw, stages)
         slots = sorted(set(build.targets.of.values()),
                        key=lambda x: min(g for g, y in build.targets.of.items() if y == x))
+        if not hops and len(slots) > 1:
+            warnings.warn(
+                "dd.profile: no hop between workers could be measured in this profile (no "
+                "action was seen waiting for another worker's value: the workers' clocks, "
+                "as corrected by distributed, disagree by more than a hop), so its "
+                "hop_latency is 0 and dd.predict / dd.best_schedule take hops as free; "
+                "profile again (more steps=), or set the hop yourself: "
+                "dataclasses.replace(profile, hop_latency=seconds)", RuntimeWarning,
+                stacklevel=3)
         hosts = tuple(host_of(str(build.targets.addresses.get(x, x))) for x in slots)
         workers = len(slots) or 1
         return cls(stages=tuple(stages), workers=workers, microbatches=build.options.microbatches,
