@@ -18,6 +18,7 @@ def save(path: str | os.PathLike[str], state: TrainState,
          trainer: Trainer | None = None) -> None:
     """Write params, optimizer state and step with orbax-checkpoint (a directory; needs
     the ``checkpoint`` extra)."""
+    ocp = require("orbax.checkpoint", "dd.save")
     if not isinstance(state, TrainState):
         swapped = isinstance(path, TrainState)
         raise ArgumentError(
@@ -29,8 +30,6 @@ def save(path: str | os.PathLike[str], state: TrainState,
     if not isinstance(path, (str, os.PathLike)):
         raise ArgumentError(f"dd.save(path, state): path must be a str or os.PathLike, got "
                             f"{type(path).__name__}")
-    ocp = require("orbax.checkpoint", "dd.save")
-
     trainer = trainer if trainer is not None else state.trainer
     if state.is_placed:
         if trainer is None:
