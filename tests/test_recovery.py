@@ -867,3 +867,67 @@ def test_a_program_run_on_a_replacement_names_the_lost_worker(client2: Any) -> N
     assert isinstance(error, DirectDispatchError) and error.address == "tcp://10.0.0.9:4242"
     live = next(iter(client2.scheduler_info()["workers"]))
     assert lost_workers(client2, {live, error.address}, wait=0) == ("tcp://10.0.0.9:4242",)
+
+
+def _slow(x: Any) -> None:
+    time.sleep(0.15)
+
+
+@dd.layer(name="slow_dense")
+def _slow_dense(p: Any, x: Any) -> Any:
+    jax.debug.callback(_slow, x[0, 0])              # ~0.15 s a call: a step takes ~3 s
+    return jnp.tanh(x @ p["w"] + p["b"])
+
+
+def _slow_loss(params: Any, x: Any, t: Any) -> Any:
+    h = x
+    for i, p in enumerate(params):
+        with dd.stage(i * 2 // len(params)):
+            h = _slow_dense(p, h)
+    return M.mse(h, t)
+
+
+def _unrunnable(dask_scheduler: Any = None) -> list[tuple[str, list[str]]]:
+    return [(str(ts.key), sorted(ts.worker_restrictions or []))
+            for ts in dask_scheduler.tasks.values() if ts.state == "no-worker"]
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("cluster_client", [2], indirect=True)
+def test_a_scheduler_dispatch_step_goes_on_past_a_killed_worker(cluster_client: Any) -> None:
+    """Regression (a helper session: 5 of 9 kills hung): with dispatch="scheduler" and
+    resident=False Dask recomputes what a killed worker lost, but a backward task pinned
+    to the dead worker (its forward ran there, and the forward's value lived on as a
+    replica elsewhere, so it never changed state) waited for that address forever. Each
+    step now ends, equal to jax."""
+    from distributed import TimeoutError as DaskTimeout, wait
+
+    client = cluster_client
+    rng = np.random.default_rng(0)
+    params = [{"w": jnp.asarray(rng.normal(size=(16, 16)).astype(np.float32) / 4),
+               "b": jnp.zeros(16)} for _ in range(4)]
+    x = rng.normal(size=(16, 16)).astype(np.float32)
+    t = rng.normal(size=(16, 16)).astype(np.float32)
+    want_l, want_g = jax.value_and_grad(_slow_loss)(params, x, t)
+    with client.as_current():
+        step = dd.value_and_grad(_slow_loss, microbatches=4, schedule="1f1b",
+                                 dispatch="scheduler", resident=False)
+        client.gather(client.compute(list(step(params, x, t))))
+        for attempt in range(3):
+            client.wait_for_workers(2, timeout=60)
+            pids = _pids(client)
+            victim = pids[sorted(pids)[attempt % 2]]
+            timer = threading.Timer(1.0, os.kill, (victim, signal.SIGKILL))
+            timer.start()
+            loss, grads = step(params, x, t)
+            futures = client.compute([loss, grads])
+            try:
+                wait(futures, timeout=90)
+            except DaskTimeout:
+                pytest.fail(f"attempt {attempt}: the step waits on "
+                            f"{client.run_on_scheduler(_unrunnable)}")
+            finally:
+                timer.join()
+            got_l, got_g = client.gather(futures)
+            np.testing.assert_allclose(got_l, want_l, rtol=1e-5)
+            close(got_g, want_g)

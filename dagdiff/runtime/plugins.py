@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from time import time
 from typing import Any, Iterable
 
 import dask
@@ -23,9 +24,9 @@ from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 from .direct import install
 from .direct.runtime import NONCE_TAKERS, PEER_LOST_OP, stamp_run_nonces
 from .internals import (amm_policies, bound_message_log, client_stream,
-                        cut_released_lineage, pin_task, rescheduled, scheduler_client_stream,
-                        set_task_spec, shorten_interval, stream_comms, task_spec,
-                        unpin_task, worker_stream)
+                        cut_released_lineage, pin_task, rescheduled,
+                        scheduler_client_stream, set_task_spec, shorten_interval,
+                        stream_comms, task_pinned, task_spec, unpin_task, worker_stream)
 from .live import LiveActions
 from .serialize import register
 from .tasks import pullback_of
@@ -110,6 +111,7 @@ class ColocateVJP(SchedulerPlugin):
         self._announce("remove", worker)
         if self.scheduler is None or worker is None:
             return
+        self._unpin_from(worker)
         msg = {"op": PEER_LOST_OP, "address": worker}
         for address, stream in list(stream_comms(self.scheduler).items()):
             if address == worker:
@@ -118,6 +120,26 @@ class ColocateVJP(SchedulerPlugin):
                 stream.send(msg)
             except Exception:           # noqa: BLE001 - that worker's stream closed
                 log.debug("dagdiff: could not tell %s that %s left", address, worker)
+
+    def _unpin_from(self, worker: str) -> None:
+        """Let the backward tasks pinned to a removed worker (their forward ran there) run
+        elsewhere: where the forward's value survives on another worker (a replica), it
+        does not change state, so `transition` would never move them, and they waited
+        for the gone address forever (``dispatch="scheduler"``, a worker killed
+        mid-step). Their pullback went with the worker; the backward remakes it from the
+        forward's inputs wherever it runs (`dd.remat_count`)."""
+        stuck = {}
+        for key in list(self._forwards):
+            ts = self.scheduler.tasks.get(key)
+            for dts in (ts.dependents if ts is not None else ()):
+                if (pullback_of(task_spec(dts)) == key and task_pinned(dts)
+                        and worker in dts.worker_restrictions
+                        and "workers" not in (dts.annotations or {})):
+                    unpin_task(dts)
+                    if dts.state == "no-worker":
+                        stuck[dts.key] = "waiting"
+        if stuck and self.scheduler.workers:
+            self.scheduler.transitions(stuck, stimulus_id=f"dagdiff-unpin-{time()}")
 
     def _announce(self, action: str, worker: Any) -> None:
         """Tell the clients that the set of workers changed (`MEMBERSHIP_TOPIC`)."""
