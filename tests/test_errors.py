@@ -424,3 +424,40 @@ def test_an_unpicklable_layer_argument_is_named_before_dask_fails(client2: Any) 
                            scheduler="threads")
     np.testing.assert_allclose(loss, jax.value_and_grad(
         lambda p: _loss_with(p, x, t, None))(params)[0], rtol=1e-5)
+
+
+def test_a_custom_bwd_returning_a_list_or_a_float_is_read_or_named() -> None:
+    """Regression: a bwd rule returning a Python list (or float) for an array argument
+    raised a bare AttributeError ('list' object has no attribute 'dtype'). A list of the
+    argument's shape is read as NumPy reads it (equal to jax); a float for a vector
+    argument is a CustomRuleError naming the layer and both shapes; a dict argument's
+    count mismatch says cotangents go one per leaf."""
+    import dask
+
+    def fwd(w: Any, x: Any) -> Any:
+        return np.asarray(x) * np.asarray(w), (np.asarray(w), np.asarray(x))
+
+    def as_list(res: Any, ct: Any) -> Any:
+        w, x = res
+        return (np.asarray(ct) * x).sum(0).tolist(), (np.asarray(ct) * w).tolist()
+
+    def as_float(res: Any, ct: Any) -> Any:
+        return float(np.sum(ct)), float(np.sum(ct))
+
+    w, x = jnp.arange(1.0, 5.0), jnp.ones((3, 4))
+    want = jax.grad(lambda w: jnp.sum((x * w) ** 2))(w)
+    scale = dd.custom_layer(fwd, as_list, name="scale")
+    _, g = dask.compute(*dd.value_and_grad(lambda w, x: M.mse(scale(w, x), 0 * x))(w, x),
+                        scheduler="sync")
+    np.testing.assert_allclose(g, want / 12, rtol=1e-5)
+    bad = dd.custom_layer(fwd, as_float, name="scale_float")
+    with pytest.raises(CustomRuleError, match=r"'scale_float'.*float\d*\[\] for argument 0 of "
+                                              r"float32\[4\]"):
+        dask.compute(*dd.value_and_grad(lambda w, x: M.mse(bad(w, x), 0 * x))(w, x),
+                     scheduler="sync")
+    two = dd.custom_layer(lambda p, x: (np.asarray(x) * np.asarray(p["a"]) + np.asarray(p["w"]),
+                                        None),
+                          lambda res, ct: ({"a": ct, "w": ct}, ct), name="dict_arg")
+    with pytest.raises(CustomRuleError, match="one per leaf.*dict keys sorted"):
+        dask.compute(*dd.value_and_grad(lambda p, x: M.mse(two(p, x), 0 * x))(
+            {"a": jnp.ones(4), "w": jnp.ones(4)}, x), scheduler="sync")

@@ -198,7 +198,11 @@ def custom_layer(fwd: Callable[..., Any], bwd: Callable[..., Any], name: str | N
     `fwd` on zeros, and where JAX traces the layer the rules run on the host through
     `jax.pure_callback` (the backward runs `fwd` again for its residuals). Array
     arguments reach the rules as JAX arrays (convert with `np.asarray`,
-    or `cupy.from_dlpack` on a GPU); non-array arguments are static.
+    or `cupy.from_dlpack` on a GPU); non-array arguments are static. `bwd` returns one
+    cotangent per array leaf of the arguments, flat: an argument that is a pytree (a
+    dict of arrays) gives one per leaf in ``jax.tree_util.tree_leaves`` order (a dict's
+    keys sorted, not as written); a leaf's shape tells a wrong order only where shapes
+    differ.
     """
     return CustomLayer(fwd, bwd, name=name, jax_fn=jax_fn, stage=stage)
 
@@ -215,6 +219,8 @@ def check_cotangents(layer: CustomLayer, cts: Any, primals: list[Any],
         if ct is None:
             raise CustomRuleError(f"custom layer {layer.name!r}: bwd returned None for "
                                   f"differentiable argument {i} ({_fmt(x)})")
+        if not hasattr(ct, "dtype"):          # a list, a Python float: as NumPy reads it
+            ct = np.asarray(ct)
         # the dtype JAX computes the argument in (float64 NumPy is float32 without x64);
         # a float cotangent of another precision (a rule computing in float32 for a
         # float16 argument) is cast to it, as the argument's gradient has its dtype
@@ -242,7 +248,9 @@ def _one_per_argument(name: str, cts: Any, n: int) -> tuple[Any, ...] | list[Any
     if len(cts) != n:
         raise CustomRuleError(
             f"custom layer {name!r}: bwd returned {len(cts)} cotangents for {n} array "
-            "arguments; return one per array argument (None for non-differentiable ones)")
+            "arguments (array leaves: an argument that is a pytree, a dict or a list of "
+            "arrays, counts one per leaf, in jax.tree_util.tree_leaves order, dict keys "
+            "sorted); return one per array leaf (None for non-differentiable ones)")
     return cts
 
 
