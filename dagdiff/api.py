@@ -63,8 +63,10 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
     ``remat`` chooses what a stage's forward keeps for its backward: "none" (default:
     every residual), "full" (only the stage's input; its forward runs again in the
     backward), "selective" (matrix products kept, the rest recomputed), or ``{stage:
-    policy}`` (stages left out: "none"). `dd.best_schedule(..., memory_limit=)` chooses
-    one per stage (`Prediction.remat`). See `dagdiff.core.remat`.
+    policy}`` (stages left out: "none"). Custom layers (`dd.custom_layer`: NumPy/CuPy
+    rules) keep their residuals under every policy: their forward does not run again.
+    `dd.best_schedule(..., memory_limit=)` chooses one per stage (`Prediction.remat`). See
+    `dagdiff.core.remat`.
 
     ``step.compute(*args, retries=2)`` builds and computes at once, building and running
     the step again when a worker was lost mid-step (see `compute` on the returned
