@@ -412,3 +412,57 @@ def test_bubble_fraction_takes_the_names_rec_workers_gives() -> None:
     import pickle
     again = pickle.loads(pickle.dumps(per))
     assert again == per and again["tcp://b:2"] == 0.0
+
+
+def _nap(x: Any) -> None:
+    import time
+
+    time.sleep(0.5)
+
+
+@dd.layer(name="napping_dense")
+def _napping_dense(p: Any, x: Any) -> Any:
+    import jax
+
+    jax.debug.callback(_nap, x[0, 0])
+    return jnp.tanh(x @ p["w"] + p["b"])
+
+
+def _napping_loss(params: Any, x: Any, t: Any) -> Any:
+    from tests.models import mse
+
+    h = x
+    for i, p in enumerate(params):
+        with dd.stage(i):
+            h = _napping_dense(p, h)
+    return mse(h, t)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_a_recording_does_not_wait_for_another_clients_programs(client2: Any) -> None:
+    """Regression (a helper session: each `dd.record` block took 2 s longer at its start and
+    its end while a second notebook's client trained): a recording waits for the programs
+    of its own client's steps to end, not for another client's."""
+    import time
+
+    from distributed import Client
+
+    from dagdiff.inspect.capture import _programs_running
+
+    other = Client(client2.scheduler.address, set_as_default=False)
+    try:
+        params, x, t = data(2, batch=8)
+        with other.as_current():
+            loss, grads = dd.value_and_grad(_napping_loss, microbatches=2, schedule="1f1b")(
+                params, x, t)
+            futures = other.compute([loss, *grads])
+        deadline = time.monotonic() + 30
+        while not other.run_on_scheduler(_programs_running, other.id):
+            assert time.monotonic() < deadline, "the other client's programs never ran"
+            time.sleep(0.05)
+        assert client2.run_on_scheduler(_programs_running, client2.id) == 0
+        assert client2.run_on_scheduler(_programs_running) >= 1      # any client's
+        other.gather(futures)
+    finally:
+        other.close()

@@ -106,7 +106,7 @@ def _settle(client: Any) -> None:
         box.settle(SETTLE_FOR)
     while time.monotonic() < give_up:
         try:
-            running = client.run_on_scheduler(_programs_running)
+            running = client.run_on_scheduler(_programs_running, client.id)
         except Exception:                   # noqa: BLE001 - a closing client: nothing to wait
             return
         if not running:
@@ -114,11 +114,18 @@ def _settle(client: Any) -> None:
         time.sleep(0.02)
 
 
-def _programs_running(dask_scheduler: Any = None) -> int:
-    """How many direct-dispatch program tasks the scheduler has processing."""
+def _programs_running(client_id: str | None = None, dask_scheduler: Any = None) -> int:
+    """How many direct-dispatch program tasks the scheduler has processing for client
+    `client_id` (it wants the task or a task that reads it; None: for any client). Another
+    client's training (a second notebook on the cluster) always has one running: waiting
+    for it held each recording 2 s at its start and its end."""
+    def mine(ts: Any) -> bool:
+        return client_id is None or any(
+            c.client_key == client_id for t in (ts, *ts.dependents) for c in t.who_wants or ())
+
     return sum(1 for ts in dask_scheduler.tasks.values()
                if ts.state == "processing" and isinstance(ts.key, str)
-               and ts.key.startswith(PROGRAM_PREFIXES))
+               and ts.key.startswith(PROGRAM_PREFIXES) and mine(ts))
 
 
 def _stop_sampling(dask_worker: Any = None) -> list[MemorySample]:
