@@ -45,7 +45,7 @@ __all__ = ["DONT_REPLY", "merge_and_deserialize", "serialize_numpy_ndarray",
            "pin_task", "unpin_task", "task_pinned", "amm_policies", "scheduler_delay", "raw_comm",
            "inline_writes", "take_socket", "task_stream_record", "cluster_status_hook",
            "correct_state", "task_spec", "set_task_spec", "cut_released_lineage", "worker_task",
-           "rescheduled", "REQUIRED"]
+           "rescheduled", "pinned_to", "REQUIRED"]
 
 #: a handler's return value that tells distributed not to answer on the comm
 DONT_REPLY = Status.dont_reply
@@ -188,6 +188,11 @@ def rescheduled(stimulus_id: Any) -> bool:
 
 def task_pinned(ts: Any) -> bool:
     return bool(ts.worker_restrictions)
+
+
+def pinned_to(ts: Any) -> set[str]:
+    """The worker addresses a scheduler TaskState is restricted to (empty: none)."""
+    return set(ts.worker_restrictions or ())
 
 
 def amm_policies(scheduler: Any) -> Any:

@@ -24,9 +24,9 @@ from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 from .direct import install
 from .direct.runtime import NONCE_TAKERS, PEER_LOST_OP, stamp_run_nonces
 from .internals import (amm_policies, bound_message_log, client_stream,
-                        cut_released_lineage, pin_task, rescheduled,
+                        cut_released_lineage, pin_task, pinned_to, rescheduled,
                         scheduler_client_stream, set_task_spec, shorten_interval,
-                        stream_comms, task_pinned, task_spec, unpin_task, worker_stream)
+                        stream_comms, task_spec, unpin_task, worker_stream)
 from .live import LiveActions
 from .serialize import register
 from .tasks import pullback_of
@@ -132,8 +132,7 @@ class ColocateVJP(SchedulerPlugin):
         for key in list(self._forwards):
             ts = self.scheduler.tasks.get(key)
             for dts in (ts.dependents if ts is not None else ()):
-                if (pullback_of(task_spec(dts)) == key and task_pinned(dts)
-                        and worker in dts.worker_restrictions
+                if (pullback_of(task_spec(dts)) == key and worker in pinned_to(dts)
                         and "workers" not in (dts.annotations or {})):
                     unpin_task(dts)
                     if dts.state == "no-worker":
