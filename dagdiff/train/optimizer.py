@@ -150,8 +150,7 @@ def check_per_stage(optimizer: Any, leaves: Sequence[Any], groups: Sequence[Sequ
         return
 
     def stand_in(x: Any) -> Any:
-        shape = tuple(min(int(d), 3) for d in np.shape(x))
-        return jnp.asarray(rng.standard_normal(shape), np.float32)
+        return _stand_in(x, rng)
 
     with jax.default_device(cpu):
         params = [stand_in(x) for x in leaves]
@@ -214,14 +213,11 @@ def _check_tree(optimizer: Any, leaves: Sequence[Any], treedef: Any,
     """Raise `OptimizerError` when `optimizer` gives the list of `leaves` other updates
     than the pytree of them (`treedef`), on small stand-ins (see `check_per_stage`)."""
     with jax.default_device(cpu):
-        params = [jnp.asarray(rng.standard_normal(tuple(min(int(d), 3) for d in np.shape(x))),
-                              np.float32) for x in leaves]
-        grads = [(jnp.asarray(rng.standard_normal(np.shape(p)), np.float32),
-                  jnp.asarray(rng.standard_normal(np.shape(p)), np.float32)) for p in params]
+        params = [_stand_in(x, rng) for x in leaves]
+        grads = [(_stand_in(p, rng), _stand_in(p, rng)) for p in params]
         try:
             as_list = _checked_steps(optimizer, params, grads)
-            as_tree = [np.asarray(u, np.float64) for u in _tree_steps_jit(
-                optimizer, treedef, params, grads)]
+            as_tree = _checked_steps(optimizer, params, grads, treedef)
         except Exception:                     # noqa: BLE001 - the real run will say
             return
     for i, (a, b) in enumerate(zip(as_list, as_tree)):
@@ -241,22 +237,10 @@ def _check_tree(optimizer: Any, leaves: Sequence[Any], treedef: Any,
                 "tree_map(lambda x: x.ndim > 1, p) to decay weight matrices and not biases")
 
 
-def _tree_steps(optimizer: Any, treedef: Any, params: list[Any],
-                grads: list[tuple[Any, Any]]) -> list[Any]:
-    """`_two_steps` on the pytree of the leaves (`treedef`), per leaf as one array."""
-    def tree(xs: Sequence[Any]) -> Any:
-        return jax.tree_util.tree_unflatten(treedef, list(xs))
-
-    p = tree(params)
-    state = optimizer.init(p)
-    first, state = optimizer.update(tree([a for a, _ in grads]), state, p)
-    moved = optax.apply_updates(p, first)
-    second, _ = optimizer.update(tree([b for _, b in grads]), state, moved)
-    return [jnp.concatenate([jnp.ravel(a), jnp.ravel(b)]) for a, b in
-            zip(jax.tree_util.tree_leaves(first), jax.tree_util.tree_leaves(second))]
-
-
-_tree_steps_jit = jax.jit(_tree_steps, static_argnums=(0, 1))
+def _stand_in(x: Any, rng: np.random.Generator) -> Any:
+    """A small float32 stand-in of array `x` (each dimension cut to 3), random values."""
+    return jnp.asarray(rng.standard_normal(tuple(min(int(d), 3) for d in np.shape(x))),
+                       np.float32)
 
 
 def _extra_update_args(error: BaseException) -> list[str]:
@@ -268,24 +252,31 @@ def _extra_update_args(error: BaseException) -> list[str]:
     return re.findall(r"'(\w+)'", text.split("argument", 1)[1])
 
 
-def _checked_steps(optimizer: Any, params: list[Any], grads: list[tuple[Any, Any]]
-                   ) -> list[np.ndarray]:
+def _checked_steps(optimizer: Any, params: list[Any], grads: list[tuple[Any, Any]],
+                   treedef: Any = None) -> list[np.ndarray]:
     """`_two_steps`, jitted (one compilation per list of shapes: eager, an optimizer
     with conditions took seconds), as NumPy arrays."""
-    return [np.asarray(u, np.float64) for u in _two_steps_jit(optimizer, params, grads)]
+    return [np.asarray(u, np.float64)
+            for u in _two_steps_jit(optimizer, params, grads, treedef)]
 
 
-def _two_steps(optimizer: Any, params: list[Any], grads: list[tuple[Any, Any]]
-               ) -> list[Any]:
+def _two_steps(optimizer: Any, params: list[Any], grads: list[tuple[Any, Any]],
+               treedef: Any = None) -> list[Any]:
     """The updates of two optimizer steps from `optimizer.init(params)` (`grads`: each
     leaf's gradients of the two steps, independent: a scale-free optimizer such as adam
     after a global-norm clip differs only when the norms' ratio between steps differs
-    between stages), per leaf as one NumPy array."""
-    state = optimizer.init(params)
-    first, state = optimizer.update([a for a, _ in grads], state, params)
-    moved = optax.apply_updates(params, first)
-    second, _ = optimizer.update([b for _, b in grads], state, moved)
-    return [jnp.concatenate([jnp.ravel(a), jnp.ravel(b)]) for a, b in zip(first, second)]
+    between stages), per leaf as one NumPy array. The optimizer sees the leaves as a
+    list, or with `treedef` as that pytree of them."""
+    def tree(xs: list[Any]) -> Any:
+        return xs if treedef is None else jax.tree_util.tree_unflatten(treedef, xs)
+
+    p = tree(list(params))
+    state = optimizer.init(p)
+    first, state = optimizer.update(tree([a for a, _ in grads]), state, p)
+    moved = optax.apply_updates(p, first)
+    second, _ = optimizer.update(tree([b for _, b in grads]), state, moved)
+    return [jnp.concatenate([jnp.ravel(a), jnp.ravel(b)]) for a, b in
+            zip(jax.tree_util.tree_leaves(first), jax.tree_util.tree_leaves(second))]
 
 
-_two_steps_jit = jax.jit(_two_steps, static_argnums=0)
+_two_steps_jit = jax.jit(_two_steps, static_argnums=(0, 3))
